@@ -1,0 +1,8 @@
+"""Trajectory buffer: the contract, an in-memory backend, Redis Streams, and serialization."""
+
+from headrace.buffer.base import Buffer, BufferError, BufferFull
+from headrace.buffer.memory import MemoryBuffer
+from headrace.buffer.serialize import MalformedEntry, decode, encode
+
+__all__ = ["Buffer", "BufferError", "BufferFull", "MalformedEntry", "MemoryBuffer", "decode",
+           "encode"]

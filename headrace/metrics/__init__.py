@@ -1,0 +1,5 @@
+"""Timers, counters and sinks (console, JSONL, TensorBoard)."""
+
+from headrace.metrics.core import Distribution, Metrics, RateMeter
+
+__all__ = ["Distribution", "Metrics", "RateMeter"]

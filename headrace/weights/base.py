@@ -1,0 +1,39 @@
+"""The weight store contract: versioned policy parameters from the learner to the actors.
+
+Parameters travel as a flat mapping from a dotted parameter path (e.g. `layers.0.attn.q.kernel`) to
+a NumPy array. Version 0 is published before any actor starts; the store keeps the last `keep`
+versions and `load` of a pruned version raises `VersionGone`.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import numpy as np
+
+Params = dict[str, np.ndarray]
+
+
+class VersionGone(KeyError):
+    """The requested version was pruned (or never published)."""
+
+
+class WeightStore(abc.ABC):
+    @abc.abstractmethod
+    def publish(self, params: Params, version: int) -> None:
+        """Stores `params` as `version` (greater than every earlier one) and prunes old versions."""
+
+    @abc.abstractmethod
+    def latest_version(self) -> int:
+        """The newest complete version, or -1 before the first publish. Cheap; safe to poll."""
+
+    @abc.abstractmethod
+    def load(self, version: int) -> Params:
+        """The parameters of `version`.
+
+        Raises:
+          VersionGone: the version was pruned or never published.
+        """
+
+    def close(self) -> None:
+        """Releases resources; published versions stay (durable backends)."""
