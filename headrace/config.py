@@ -85,7 +85,7 @@ class ModelConfig:
     n_layers: int = 2  # transformer blocks
     n_heads: int = 4  # query heads
     n_kv_heads: int = 2  # key/value heads (grouped-query attention)
-    d_ff: int = 256  # SwiGLU hidden width
+    d_ff: int = 128  # SwiGLU hidden width
     max_len: int = 4096  # longest sequence (RoPE table size)
     dtype: Literal["float32", "bfloat16"] = "float32"  # parameter and activation dtype
 
@@ -102,7 +102,7 @@ class ModelConfig:
 
 
 MODEL_PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256),
+    "tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128),
     "small": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, d_ff=1024),
 }
 

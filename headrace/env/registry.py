@@ -13,6 +13,10 @@ from headrace.env.latency import LatencySampler, LatencyWrapper
 
 BUILTINS: dict[str, str] = {
     "guess_number": "headrace.env.guess_number:GuessNumber",
+    "tool_calculator": "headrace.env.tool_calculator:ToolCalculator",
+    "http_tool": "headrace.env.http_tool:HttpCalculator",
+    "python_exec": "headrace.env.python_exec:PythonExec",
+    "gym": "headrace.env.gym_adapter:GymEnv",
 }
 
 

@@ -81,6 +81,7 @@ class Metrics:
         self.counters: dict[str, float] = collections.defaultdict(float)
         self.gauges: dict[str, float] = {}
         self.dists: dict[str, Distribution] = {}
+        self.averages: dict[str, Distribution] = {}
 
     def count(self, name: str, n: float = 1.0) -> None:
         with self._lock:
@@ -103,6 +104,14 @@ class Metrics:
             if dist is None:
                 dist = self.dists[name] = Distribution(self._window)
             dist.extend(values)
+
+    def average(self, name: str, value: float) -> None:
+        """Adds to a windowed mean reported under `name` itself (e.g. `reward/mean`)."""
+        with self._lock:
+            dist = self.averages.get(name)
+            if dist is None:
+                dist = self.averages[name] = Distribution(self._window)
+            dist.add(value)
 
     @contextlib.contextmanager
     def timer(self, name: str) -> Iterator[None]:
@@ -127,4 +136,6 @@ class Metrics:
                 out[f"{name}_p90"] = p90
                 out[f"{name}_p99"] = p99
                 out[f"{name}_mean"] = dist.mean()
+            for name, dist in self.averages.items():
+                out[name] = dist.mean()
             return out

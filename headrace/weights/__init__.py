@@ -1,6 +1,8 @@
 """Versioned weight store: the contract and its backends."""
 
 from headrace.weights.base import Params, VersionGone, WeightStore
+from headrace.weights.directory import CorruptWeights, DirWeightStore, from_config
 from headrace.weights.memory import MemoryWeightStore
 
-__all__ = ["MemoryWeightStore", "Params", "VersionGone", "WeightStore"]
+__all__ = ["CorruptWeights", "DirWeightStore", "MemoryWeightStore", "Params", "VersionGone",
+           "WeightStore", "from_config"]

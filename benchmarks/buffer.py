@@ -1,0 +1,309 @@
+"""Buffer benchmark: the headrace Redis buffer against raw redis-py on the same server.
+
+    headrace bench buffer [--writers 8] [--payload-kib 16] [--duration 20] [--batch 64]
+                          [--trajectories 4] [--quick] [--json]
+
+One `RedisServer` with the embedded default's persistence (appendonly, fsync everysec) serves four
+phases, each on fresh keys. Writers are separate processes (as actors are), the reader runs in this
+process (as a learner's reader does), so neither side's Python work stalls the other's.
+
+  1. raw, flat out: each writer encodes `batch` groups (`serialize.encode`) and XADDs them in one
+     pipeline; the reader runs XREADGROUP (count 256), decodes each entry (`serialize.decode`), then
+     XACK + XDEL (the deletes headrace does). Raw writers check XLEN against the same capacity
+     before each pipeline (flow control without atomicity: one round trip, as headrace's
+     reservation costs one); without it, writers flat out starve the reader. Raw serializes like
+     headrace because any user of Redis must: the ratio isolates the buffer's own machinery
+     (reservations, transactions, ack script, delivery counts, quarantine), not msgpack.
+  2. headrace, flat out: each writer calls `RedisBuffer.put(batch of groups)` (encode, reserve
+     capacity in a small script, XADDs in one transaction); the reader calls `get(256)` (reserve,
+     XREADGROUP, decode, quarantine check) + `ack` (XACK + XDEL script).
+  3./4. raw, then headrace, at an offered load of half phase 1's throughput: writers put on a fixed
+     schedule; the reader polls without blocking, so a get's latency is the service time of a call
+     that returned data, not time spent waiting for data. A put's latency is its service time (from
+     its start, not from its scheduled time).
+
+Throughput is end to end: groups acknowledged per second after a warm-up. Each group has
+`trajectories` trajectories whose arrays add up to `payload-kib`. Output (`--json`):
+`{"headrace": {...}, "raw": {...}, "ratio": headrace/raw throughput}` with, inside each,
+throughput_per_s, put_ms_p50/p99/p999, get_ms_p50/p99/p999 and offered_per_s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import numpy as np
+
+import headrace
+from headrace.benchlib import bench_parser, emit
+from headrace.buffer.base import BufferFull
+from headrace.buffer.redis_stream import FIELD, GROUP, RedisBuffer
+from headrace.buffer.serialize import decode, encode
+from headrace.buffer.server import RedisServer
+from headrace.types import Group, Trajectory, Turn
+
+BYTES_PER_TOKEN = 13  # int32 token + bool mask + float32 logprob + int32 version
+READ_COUNT = 256  # groups per get / XREADGROUP
+
+
+def make_group(index: int, payload_bytes: int, trajectories: int) -> Group:
+    """A valid group whose arrays total about `payload_bytes`."""
+    tokens = max(payload_bytes // (BYTES_PER_TOKEN * trajectories) - 8, 4)
+    items = []
+    for j in range(trajectories):
+        items.append(Trajectory(
+            trajectory_id=f"b{index}-{j}", group_id=f"b{index}", task_id=f"task{index}",
+            env="bench", actor_id="bench", tokens=np.arange(tokens, dtype=np.int32),
+            loss_mask=np.arange(tokens) >= tokens // 4,
+            behaviour_logprobs=np.full(tokens, -0.5, np.float32),
+            policy_version=np.zeros(tokens, np.int32),
+            turns=[Turn(0, tokens // 4, "user"), Turn(tokens // 4, tokens, "assistant", 1.0)],
+            reward=1.0, timings={"started": time.time()}))
+    return Group(f"b{index}", f"task{index}", items)
+
+
+def _raw_stream(run_id: str) -> str:
+    return f"bench:{run_id}:raw"
+
+
+# -- writer process ---------------------------------------------------------------------------
+
+def _writer(spec: dict) -> None:
+    """One writer process: waits for the start time, puts until the end, writes latencies."""
+    groups = [make_group(i, spec["payload_bytes"], spec["trajectories"])
+              for i in range(spec["batch"])]
+    server = RedisServer(spec["dir"], port=spec["port"])
+    control = server.client(socket_timeout=30)
+    if spec["kind"] == "raw":
+        client, stream = server.client(socket_timeout=30), _raw_stream(spec["run_id"])
+
+        def put() -> None:
+            if client.xlen(stream) + len(groups) > spec["capacity"]:
+                time.sleep(0.002)  # plain flow control (not atomic): wait, as a blocked put does
+                raise BufferFull(stream)
+            pipe = client.pipeline(transaction=False)
+            for group in groups:
+                pipe.xadd(stream, {FIELD: encode(group)})
+            pipe.execute()
+    else:
+        buffer = RedisBuffer(server.url, run_id=spec["run_id"], consumer="unused",
+                             capacity=spec["capacity"])
+
+        def put() -> None:
+            buffer.put(groups, timeout_s=1.0)
+
+    start_key = f"bench:{spec['run_id']}:start"
+    control.incr(f"bench:{spec['run_id']}:ready")
+    while (start := control.get(start_key)) is None:
+        time.sleep(0.005)
+    start = float(start)
+    window_from, end = start + spec["warmup"], start + spec["warmup"] + spec["duration"]
+    interval = spec["interval"]
+    next_at = start + spec["offset"]
+    put_ms = []
+    while (now := time.time()) < end:
+        if interval:
+            if next_at > now:
+                time.sleep(next_at - now)
+            next_at += interval
+        began = time.perf_counter()
+        began_wall = time.time()
+        try:
+            put()
+        except BufferFull:
+            continue  # flat out against backpressure: try again
+        if began_wall >= window_from:
+            put_ms.append((time.perf_counter() - began) * 1e3)
+    pathlib.Path(spec["out"]).write_text(json.dumps(put_ms))
+
+
+# -- reader and phases ------------------------------------------------------------------------
+
+def _quantiles(samples: list[float]) -> tuple[float, float, float]:
+    if not samples:
+        return (float("nan"),) * 3
+    p50, p99, p999 = np.quantile(np.asarray(samples), [0.5, 0.99, 0.999])
+    return float(p50), float(p99), float(p999)
+
+
+class _Phase:
+    """Starts writer processes, reads with this process until the end, collects the results."""
+
+    def __init__(self, server: RedisServer, folder: str, kind: str, args: argparse.Namespace,
+                 warmup: float, offered_per_s: float | None):
+        self.server, self.kind, self.args, self.warmup = server, kind, args, warmup
+        self.run_id = f"bench-{kind}-{uuid.uuid4().hex[:8]}"
+        self.folder = pathlib.Path(folder) / self.run_id
+        self.folder.mkdir()
+        self.interval = args.writers * args.batch / offered_per_s if offered_per_s else 0.0
+        self.capacity = max(4096, 4 * args.writers * args.batch)
+
+    def _spawn(self, k: int) -> subprocess.Popen:
+        spec = dict(kind=self.kind, dir=str(self.server.dir), port=self.server.port,
+                    run_id=self.run_id, batch=self.args.batch,
+                    payload_bytes=int(self.args.payload_kib * 1024),
+                    trajectories=self.args.trajectories, capacity=self.capacity,
+                    interval=self.interval, offset=k * self.interval / self.args.writers,
+                    warmup=self.warmup, duration=self.args.duration,
+                    out=str(self.folder / f"writer{k}.json"))
+        log = open(self.folder / f"writer{k}.log", "wb")
+        try:
+            root = str(pathlib.Path(headrace.__file__).resolve().parent.parent)
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+            return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
+                                     json.dumps(spec)], stdout=log, stderr=subprocess.STDOUT,
+                                    env=env)
+        finally:
+            log.close()
+
+    def run(self) -> dict:
+        control = self.server.client(socket_timeout=30)
+        if self.kind == "raw":
+            reader_client = self.server.client(socket_timeout=30)
+            stream = _raw_stream(self.run_id)
+            reader_client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            cleanup = lambda: reader_client.delete(stream)  # noqa: E731
+
+            def get(block_ms: int | None) -> list:
+                reply = reader_client.xreadgroup(GROUP, "reader", {stream: ">"},
+                                                 count=READ_COUNT, block=block_ms)
+                entries = reply[0][1] if reply else []
+                for _, fields in entries:
+                    decode(fields[FIELD])
+                return [entry_id for entry_id, _ in entries]
+
+            def ack(ids: list) -> None:
+                pipe = reader_client.pipeline(transaction=False)
+                pipe.xack(stream, GROUP, *ids)
+                pipe.xdel(stream, *ids)
+                pipe.execute()
+        else:
+            buffer = RedisBuffer(self.server.url, run_id=self.run_id, consumer="reader",
+                                 capacity=self.capacity, max_pending=4 * READ_COUNT)
+            stream = buffer.stream_key
+            cleanup = buffer.drop
+
+            def get(block_ms: int | None) -> list:
+                entries = buffer.get(READ_COUNT, timeout_s=(block_ms or 0) / 1000)
+                return [e.id for e in entries]
+
+            ack = buffer.ack
+        procs = [self._spawn(k) for k in range(self.args.writers)]
+        try:
+            self._wait_ready(control, procs)
+            start = time.time() + 0.1
+            control.set(f"bench:{self.run_id}:start", repr(start))
+            window_from = start + self.warmup
+            end = window_from + self.args.duration
+            done, get_ms = 0, []
+            while (now := time.time()) < end:
+                began = time.perf_counter()
+                ids = get(None if self.interval else 50)
+                if not ids:
+                    if self.interval:
+                        time.sleep(0.001)
+                    continue
+                elapsed_ms = (time.perf_counter() - began) * 1e3
+                ack(ids)
+                if now >= window_from and time.time() < end:
+                    done += len(ids)
+                    get_ms.append(elapsed_ms)
+            put_ms = self._collect(procs)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            cleanup()
+            control.delete(f"bench:{self.run_id}:ready", f"bench:{self.run_id}:start")
+            control.close()
+        p50, p99, p999 = _quantiles(put_ms)
+        g50, g99, g999 = _quantiles(get_ms if self.interval else [])
+        return {"throughput_per_s": done / self.args.duration, "put_ms_p50": p50,
+                "put_ms_p99": p99, "put_ms_p999": p999, "get_ms_p50": g50, "get_ms_p99": g99,
+                "get_ms_p999": g999}
+
+    def _wait_ready(self, control, procs: list[subprocess.Popen]) -> None:
+        deadline = time.monotonic() + 120
+        while int(control.get(f"bench:{self.run_id}:ready") or 0) < len(procs):
+            self._check_alive(procs)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"writers did not start within 120 s; logs in {self.folder}")
+            time.sleep(0.01)
+
+    def _check_alive(self, procs: list[subprocess.Popen]) -> None:
+        for k, proc in enumerate(procs):
+            if proc.poll() not in (None, 0):
+                log = (self.folder / f"writer{k}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"writer {k} exited with {proc.returncode}:\n{log}")
+
+    def _collect(self, procs: list[subprocess.Popen]) -> list[float]:
+        put_ms: list[float] = []
+        for k, proc in enumerate(procs):
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise RuntimeError(f"writer {k} did not finish") from None
+            self._check_alive(procs)
+            put_ms.extend(json.loads((self.folder / f"writer{k}.json").read_text()))
+        return put_ms
+
+
+def run(args: argparse.Namespace, warmup: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="headrace-bench-") as folder:
+        with RedisServer(pathlib.Path(folder) / "redis", fsync="everysec") as server:
+            raw = _Phase(server, folder, "raw", args, warmup, None).run()
+            headrace = _Phase(server, folder, "headrace", args, warmup, None).run()
+            offered = raw["throughput_per_s"] / 2
+            raw_latency = _Phase(server, folder, "raw", args, warmup, offered).run()
+            headrace_latency = _Phase(server, folder, "headrace", args, warmup, offered).run()
+
+    def combine(flat_out: dict, latency: dict) -> dict:
+        out = {"throughput_per_s": flat_out["throughput_per_s"]}
+        out.update({k: v for k, v in latency.items() if k != "throughput_per_s"})
+        out["offered_per_s"] = offered
+        return out
+
+    return {"headrace": combine(headrace, headrace_latency), "raw": combine(raw, raw_latency),
+            "ratio": headrace["throughput_per_s"] / max(raw["throughput_per_s"], 1e-9)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        _writer(json.loads(argv[1]))
+        return 0
+    parser = argparse.ArgumentParser(prog="headrace bench buffer", parents=[bench_parser()],
+                                     description="headrace's Redis buffer vs raw redis-py")
+    parser.add_argument("--writers", type=int, default=8, help="writer processes")
+    parser.add_argument("--payload-kib", type=float, default=16.0, help="group size in KiB")
+    parser.add_argument("--duration", type=float, default=20.0, help="measured seconds per phase")
+    parser.add_argument("--batch", type=int, default=64, help="groups per put / pipeline")
+    parser.add_argument("--trajectories", type=int, default=4, help="trajectories per group")
+    args = parser.parse_args(argv)
+    if min(args.writers, args.batch, args.trajectories) < 1 or args.payload_kib <= 0 \
+            or args.duration <= 0:
+        parser.error("--writers, --batch, --trajectories must be >= 1; --payload-kib and "
+                     "--duration > 0")
+    if args.quick:
+        args.writers, args.duration, args.batch = min(args.writers, 2), 0.75, min(args.batch, 16)
+    warmup = 0.25 if args.quick else min(2.0, args.duration / 5)
+    print(f"buffer bench: {args.writers} writer processes, {args.payload_kib:g} KiB groups of "
+          f"{args.trajectories} trajectories, batches of {args.batch}, {args.duration:g} s per "
+          "phase (raw, headrace flat out; then both at half raw's throughput)", file=sys.stderr)
+    emit(run(args, warmup), as_json=args.json, title="buffer: headrace vs raw redis-py")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The acting loop: a pool of concurrent episodes, grouped per task, written to the buffer.
+
+An actor runs `envs_per_actor / group_size` group slots on one asyncio loop. Each slot repeatedly
+takes the next task, plays its G episodes concurrently (their policy calls batched with every other
+slot's), stamps the group and puts it into the buffer; weights are refreshed between turns.
+
+Stopping: `stop` (a threading.Event) ends the loop; episodes in progress are cancelled and their
+data, never written, is not counted anywhere. A put that times out is logged, counted
+(`actor/put_timeouts`) and retried, so a group is never dropped silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+
+from headrace.actor.episode import EpisodeResult, run_episode
+from headrace.actor.policy import BatchedPolicy, WeightSync
+from headrace.buffer.base import Buffer, BufferFull
+from headrace.config import Config
+from headrace.env.base import Env
+from headrace.metrics.core import Metrics
+from headrace.model.sampler import Sampler
+from headrace.text.tokenizers import Tokenizer
+from headrace.types import Group, Trajectory
+from headrace.weights.base import WeightStore
+
+log = logging.getLogger(__name__)
+
+
+def to_trajectory(result: EpisodeResult, *, group_id: str, task_id: str, env_name: str,
+                  actor_id: str, sampling: dict) -> Trajectory:
+    tokens, mask, logps, versions = result.builder.arrays()
+    return Trajectory(
+        trajectory_id=uuid.uuid4().hex, group_id=group_id, task_id=task_id, env=env_name,
+        actor_id=actor_id, tokens=tokens, loss_mask=mask, behaviour_logprobs=logps,
+        policy_version=versions, turns=result.builder.turns, reward=float(result.reward),
+        status=result.status, error=result.error, timings=result.timings, sampling=sampling)
+
+
+class Actor:
+    def __init__(self, config: Config, actor_id: str, make_env: Callable[[], Env],
+                 tokenizer: Tokenizer, sampler: Sampler, buffer: Buffer, weights: WeightStore,
+                 metrics: Metrics, stop: threading.Event):
+        self.config = config
+        self.actor_id = actor_id
+        self.make_env = make_env
+        self.tokenizer = tokenizer
+        self.sampler = sampler
+        self.buffer = buffer
+        self.weights = weights
+        self.metrics = metrics
+        self.stop = stop
+        base = (config.run.seed * 1_000_003 + hash(actor_id) % 1_000_003) * 1_000_000
+        self._task_seeds = itertools.count(base)
+        self._sampling = {"temperature": config.sampling.temperature,
+                          "top_k": config.sampling.top_k, "top_p": config.sampling.top_p}
+        self._blocked_s = 0.0
+        self._started = time.monotonic()
+
+    def run(self) -> None:
+        """Acts until `stop` is set (blocking; run it in its own thread or process)."""
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        actor = self.config.actor
+        sync = WeightSync(self.weights, self.sampler, self.metrics, self.config.staleness.forced_lag)
+        while not sync.refresh(force=True):  # version 0 is published before actors start
+            if self.stop.wait(0.05):
+                return
+        policy = BatchedPolicy(self.sampler, self.metrics, max_batch=actor.max_batch,
+                               wait_s=actor.batch_wait_ms / 1e3, sync=sync)
+        envs = [self.make_env() for _ in range(actor.envs_per_actor)]
+        g = actor.group_size
+        tasks = [asyncio.create_task(policy.serve())]
+        tasks += [asyncio.create_task(self._slot(envs[i:i + g], policy))
+                  for i in range(0, len(envs), g)]
+        try:
+            await asyncio.to_thread(self.stop.wait)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            policy.close()
+            for env in envs:
+                env.close()
+
+    async def _slot(self, envs: list[Env], policy: BatchedPolicy) -> None:
+        env_cfg = self.config.env
+        while not self.stop.is_set():
+            seed = next(self._task_seeds)
+            task_id = f"{env_cfg.name}/{seed}"
+            group_id = uuid.uuid4().hex
+            self.metrics.gauge("actor/in_flight", policy.live)
+            results = await asyncio.gather(*[
+                run_episode(env, seed, policy, self.tokenizer, self.metrics, env_cfg.step_timeout_s)
+                for env in envs])
+            group = Group(group_id, task_id, [
+                to_trajectory(r, group_id=group_id, task_id=task_id, env_name=env_cfg.name,
+                              actor_id=self.actor_id, sampling=self._sampling) for r in results])
+            self._record(results)
+            with policy.stepping_away():
+                await self._put(group)
+
+    def _record(self, results: list[EpisodeResult]) -> None:
+        m = self.metrics
+        m.count("actor/episodes", len(results))
+        for r in results:
+            m.average("reward/mean", r.reward)
+            m.average("reward/success_rate", float(r.success))
+            m.average("episode/length_mean", r.builder.length)
+
+    async def _put(self, group: Group) -> None:
+        start = time.perf_counter()
+        while not self.stop.is_set():
+            group.put_version = self.weights.latest_version()
+            put_at = time.time()
+            for t in group.trajectories:
+                t.timings["put"] = put_at
+            try:
+                await asyncio.to_thread(self.buffer.put, [group], self.config.buffer.put_timeout_s)
+                break
+            except BufferFull as error:
+                self.metrics.count("actor/put_timeouts")
+                log.warning("actor %s: %s; retrying", self.actor_id, error)
+        self._blocked_s += time.perf_counter() - start
+        self.metrics.gauge("actor/idle_frac",
+                           self._blocked_s / self.config.actor.envs_per_actor
+                           * self.config.actor.group_size
+                           / max(time.monotonic() - self._started, 1e-9))
+
+

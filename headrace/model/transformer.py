@@ -1,0 +1,174 @@
+"""A Llama-style decoder-only transformer in Flax NNX: RoPE, RMSNorm, SwiGLU, grouped-query attention.
+
+One forward function serves training and sampling. Attention takes an explicit boolean mask
+`mask_bqk` (query row may see key slot), so the caller decides what is visible: causal within a
+segment for packed training rows, or "written cache slots up to the query" while decoding. With a
+`cache` (per layer a key and a value array of S slots) the new keys and values are written at
+`cache_index` and attention runs over all S slots; without one it runs over the input itself.
+
+Letters in names: b batch, t/q query positions, k/s key slots, d model width, h query heads,
+g kv heads, r query heads per kv head, e head size, f feed-forward width, v vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from headrace.config import ModelConfig
+
+KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: k_bsge, v_bsge
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDims:
+    """Resolved sizes (the vocabulary comes from the tokenizer)."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    dtype: str = "float32"
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, vocab_size: int) -> ModelDims:
+        return cls(vocab_size=config.vocab_size or vocab_size, d_model=config.d_model,
+                   n_layers=config.n_layers, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
+                   d_ff=config.d_ff, dtype=config.dtype)
+
+
+def rope(x_bthe: jax.Array, positions_bt: jax.Array, base: float = 10000.0) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021, RoFormer), rotate-half form."""
+    half = x_bthe.shape[-1] // 2
+    inv_freq_e = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_bte = positions_bt[..., None].astype(jnp.float32) * inv_freq_e
+    sin, cos = jnp.sin(angle_bte)[:, :, None, :], jnp.cos(angle_bte)[:, :, None, :]
+    x1, x2 = x_bthe[..., :half].astype(jnp.float32), x_bthe[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_bthe.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, dtype, eps: float = 1e-6):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        x32 = x_btd.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x_btd.dtype)
+
+
+def _dense(d_in: int, d_out: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                      kernel_init=nnx.initializers.normal(stddev=d_in**-0.5))
+
+
+class Attention(nnx.Module):
+    def __init__(self, dims: ModelDims, dtype, rngs: nnx.Rngs):
+        self.dims = dims
+        e = dims.head_dim
+        self.q = _dense(dims.d_model, dims.n_heads * e, dtype, rngs)
+        self.k = _dense(dims.d_model, dims.n_kv_heads * e, dtype, rngs)
+        self.v = _dense(dims.d_model, dims.n_kv_heads * e, dtype, rngs)
+        self.o = _dense(dims.n_heads * e, dims.d_model, dtype, rngs)
+
+    def __call__(self, x_btd, positions_bt, mask_bqk, cache_kv=None, cache_index=None):
+        d = self.dims
+        b, t, _ = x_btd.shape
+        e, g, r = d.head_dim, d.n_kv_heads, d.n_heads // d.n_kv_heads
+        q_bthe = rope(self.q(x_btd).reshape(b, t, d.n_heads, e), positions_bt)
+        k_btge = rope(self.k(x_btd).reshape(b, t, g, e), positions_bt)
+        v_btge = self.v(x_btd).reshape(b, t, g, e)
+        if cache_kv is not None:
+            k_cache, v_cache = cache_kv
+            k_bsge = jax.lax.dynamic_update_slice_in_dim(k_cache, k_btge, cache_index, axis=1)
+            v_bsge = jax.lax.dynamic_update_slice_in_dim(v_cache, v_btge, cache_index, axis=1)
+            cache_kv = (k_bsge, v_bsge)
+        else:
+            k_bsge, v_bsge = k_btge, v_btge
+        q_btgre = q_bthe.reshape(b, t, g, r, e)
+        scores_bgrts = jnp.einsum("btgre,bsge->bgrts", q_btgre, k_bsge).astype(jnp.float32)
+        scores_bgrts = scores_bgrts * (e**-0.5)
+        scores_bgrts = jnp.where(mask_bqk[:, None, None], scores_bgrts, -1e30)
+        probs_bgrts = jax.nn.softmax(scores_bgrts, axis=-1).astype(x_btd.dtype)
+        out_btgre = jnp.einsum("bgrts,bsge->btgre", probs_bgrts, v_bsge)
+        return self.o(out_btgre.reshape(b, t, d.n_heads * e)), cache_kv
+
+
+class SwiGLU(nnx.Module):
+    """Gated feed-forward (Shazeer 2020, "GLU Variants Improve Transformer")."""
+
+    def __init__(self, dims: ModelDims, dtype, rngs: nnx.Rngs):
+        self.gate = _dense(dims.d_model, dims.d_ff, dtype, rngs)
+        self.up = _dense(dims.d_model, dims.d_ff, dtype, rngs)
+        self.down = _dense(dims.d_ff, dims.d_model, dtype, rngs)
+
+    def __call__(self, x_btd):
+        return self.down(jax.nn.silu(self.gate(x_btd)) * self.up(x_btd))
+
+
+class Block(nnx.Module):
+    def __init__(self, dims: ModelDims, dtype, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(dims.d_model, dtype=dtype)
+        self.attn = Attention(dims, dtype, rngs)
+        self.mlp_norm = RMSNorm(dims.d_model, dtype=dtype)
+        self.mlp = SwiGLU(dims, dtype, rngs)
+
+    def __call__(self, x_btd, positions_bt, mask_bqk, cache_kv=None, cache_index=None):
+        h_btd, cache_kv = self.attn(self.attn_norm(x_btd), positions_bt, mask_bqk, cache_kv,
+                                    cache_index)
+        x_btd = x_btd + h_btd
+        return x_btd + self.mlp(self.mlp_norm(x_btd)), cache_kv
+
+
+class Transformer(nnx.Module):
+    """Decoder-only language model; `__call__` returns logits (float32) and the updated cache."""
+
+    def __init__(self, dims: ModelDims, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(dims.dtype)
+        self.dims = dims
+        self.embed = nnx.Embed(dims.vocab_size, dims.d_model, dtype=dtype, param_dtype=dtype,
+                               embedding_init=nnx.initializers.normal(stddev=1.0), rngs=rngs)
+        self.layers = nnx.List([Block(dims, dtype, rngs) for _ in range(dims.n_layers)])
+        self.final_norm = RMSNorm(dims.d_model, dtype=dtype)
+        self.unembed = _dense(dims.d_model, dims.vocab_size, dtype, rngs)
+
+    def __call__(self, tokens_bt, positions_bt, mask_bqk, cache: KVCache | None = None,
+                 cache_index=None):
+        x_btd = self.embed(tokens_bt)
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            x_btd, kv = layer(x_btd, positions_bt, mask_bqk,
+                              None if cache is None else cache[i], cache_index)
+            new_cache.append(kv)
+        logits_btv = self.unembed(self.final_norm(x_btd)).astype(jnp.float32)
+        return logits_btv, (new_cache if cache is not None else None)
+
+    def init_cache(self, batch: int, slots: int) -> KVCache:
+        d = self.dims
+        shape = (batch, slots, d.n_kv_heads, d.head_dim)
+        dtype = jnp.dtype(d.dtype)
+        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(d.n_layers)]
+
+
+def segment_mask(segment_ids_bt: jax.Array) -> jax.Array:
+    """mask_bqk for packed rows: causal, within the same segment, never on padding (segment 0)."""
+    t = segment_ids_bt.shape[1]
+    causal_qk = jnp.tril(jnp.ones((t, t), dtype=bool))
+    same_bqk = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+    real_bk = (segment_ids_bt != 0)[:, None, :]
+    return causal_qk[None] & same_bqk & real_bk
+
+
+def build_model(dims: ModelDims, seed: int) -> Transformer:
+    return Transformer(dims, rngs=nnx.Rngs(params=seed))

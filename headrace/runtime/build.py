@@ -1,0 +1,121 @@
+"""The composition root: every component of a run built from one Config.
+
+Actor code and learner code never import each other; this module is where they meet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import pathlib
+import time
+from collections.abc import Callable
+
+import yaml
+
+from headrace.buffer.base import Buffer
+from headrace.buffer.memory import MemoryBuffer
+from headrace.config import Config, ConfigError
+from headrace.env.base import Env
+from headrace.env.registry import env_factory
+from headrace.model import params as params_lib
+from headrace.model.sampler import Sampler, SamplerSettings
+from headrace.model.transformer import ModelDims
+from headrace.text.tokenizers import EOS, Tokenizer, WordTokenizer, for_vocabulary
+from headrace.weights.base import WeightStore
+from headrace.weights.memory import MemoryWeightStore
+
+
+def process_start_time() -> float:
+    """Unix time this process started (so wall clocks include interpreter and JAX start-up)."""
+    try:
+        ticks = int(pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+        import os
+
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+@dataclasses.dataclass
+class Task:
+    """What both sides need to know about the environment and its text."""
+
+    make_env: Callable[[], Env]
+    tokenizer: Tokenizer
+    dims: ModelDims
+    sampler_settings: SamplerSettings
+
+
+def build_task(config: Config) -> Task:
+    make_env = env_factory(config.env, config.run.seed)
+    probe = make_env()
+    spec = probe.spec
+    probe.close()
+    tokenizer = for_vocabulary(spec.vocabulary)
+    dims = ModelDims.from_config(config.model, tokenizer.vocab_size)
+    if dims.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size={dims.vocab_size}: the tokenizer needs at least "
+                          f"{tokenizer.vocab_size}")
+    sampling = config.sampling
+    allowed = None
+    if sampling.constrain_to_actions and spec.action_words and isinstance(tokenizer, WordTokenizer):
+        allowed = tokenizer.ids_of(spec.action_words)
+    settings = SamplerSettings(temperature=sampling.temperature, top_k=sampling.top_k,
+                               top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens,
+                               stop_ids=(EOS,), allowed_ids=allowed)
+    return Task(make_env, tokenizer, dims, settings)
+
+
+def make_sampler(config: Config, task: Task, graphdef, seed: int) -> Sampler:
+    return Sampler(graphdef, task.sampler_settings, task.dims.vocab_size, config.shapes.buckets,
+                   config.actor.max_batch, seed=seed)
+
+
+def init_params(config: Config, task: Task):
+    return params_lib.init(task.dims, config.run.seed)
+
+
+def make_buffer(config: Config) -> Buffer:
+    b = config.buffer
+    if b.backend == "memory":
+        return MemoryBuffer(b.capacity, b.max_pending, b.claim_idle_s)
+    raise ConfigError(f"buffer.backend={b.backend!r}: the threads launcher uses the memory "
+                      "backend; the redis backend runs under the processes launcher")
+
+
+def make_weights(config: Config) -> WeightStore:
+    if config.weights.backend == "memory":
+        return MemoryWeightStore(config.weights_keep)
+    raise ConfigError(f"weights.backend={config.weights.backend!r}: the threads launcher uses "
+                      "the memory backend")
+
+
+def check_flow(config: Config) -> None:
+    """Refuses settings under which the pipeline would deadlock, with the reason."""
+    lc, b = config.learner, config.buffer
+    if config.run.checkpoint_every and b.max_pending < lc.groups_per_batch * (
+            config.run.checkpoint_every + 1):
+        raise ConfigError(
+            f"buffer.max_pending={b.max_pending}: entries stay pending until the checkpoint "
+            f"that covers them, so it must be >= learner.groups_per_batch x "
+            f"(run.checkpoint_every + 1) = {lc.groups_per_batch * (config.run.checkpoint_every + 1)}")
+    if b.max_pending < lc.groups_per_batch * 2:
+        raise ConfigError(f"buffer.max_pending={b.max_pending}: must be >= 2 x "
+                          f"learner.groups_per_batch = {2 * lc.groups_per_batch}")
+
+
+def make_run_dir(config: Config) -> pathlib.Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = pathlib.Path(config.run.dir.format(env=config.env.name.replace(":", "."), time=stamp))
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    return path
+
+
+def write_json(path: pathlib.Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)

@@ -1,0 +1,37 @@
+"""The shape policy shared by the sampler and the batcher (JAX-free).
+
+Every array the accelerator sees has a shape drawn from a finite set: sequence lengths come from the
+bucket ladder (`shapes.buckets`), batch rows from a ladder of powers of two, so XLA compiles a
+bounded number of programs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class TooLong(ValueError):
+    """A length exceeds the largest bucket."""
+
+
+def bucket_for(length: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds `length`.
+
+    Raises:
+      TooLong: `length` exceeds the largest bucket.
+    """
+    for bucket in buckets:
+        if length <= bucket:
+            return bucket
+    raise TooLong(f"length {length} exceeds the largest bucket {buckets[-1]}")
+
+
+def batch_ladder(max_batch: int, smallest: int = 8) -> tuple[int, ...]:
+    """Row counts a batched call may use: powers of two from `smallest`, capped by `max_batch`."""
+    sizes = []
+    size = min(smallest, max_batch)
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    sizes.append(max_batch)
+    return tuple(sizes)

@@ -1,0 +1,349 @@
+"""Directory weight store: versioned parameters as plain files on a local or shared filesystem.
+
+Layout under the store's root (DESIGN.md, "Weight store"):
+
+```
+LATEST                 the newest complete version, as decimal text (written last)
+v{version}/
+  manifest.json        format, version, created time, and per array: dotted path, file, dtype,
+                       shape, byte count, crc32 (in the order the parameters were given)
+  00000.bin ...        one file per array: its raw little-endian bytes, C order
+```
+
+Publishing (one process only) writes every array and the manifest into a staging directory
+`.tmp-v{version}-*`, fsyncing each file, fsyncs the staging directory, renames it to `v{version}`,
+fsyncs the root, and only then writes `LATEST` under a temporary name, fsyncs it and renames it
+over the old pointer. A `v{version}` directory therefore never exists half-written, and a version
+is *published* exactly when the pointer names it (or a later version): a crash at any point before
+the pointer moves leaves the previous version current; a directory the pointer does not cover yet
+(a crash between the rename and the pointer) is replaced by the next publish of that version.
+After the pointer moves, versions older than the newest `keep` are pruned: each is first renamed
+to `.gone-*` (atomic, so a reader sees it either whole or absent) and then deleted.
+
+Loading (any number of processes and threads) reads the manifest and the files and checks every
+array's size and crc32. A version that was pruned, is being pruned, or was never published raises
+`VersionGone`; a file whose bytes do not match its manifest raises `CorruptWeights`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import sys
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Mapping
+
+import ml_dtypes
+import numpy as np
+
+from headrace.config import WeightsConfig
+from headrace.weights.base import Params, VersionGone, WeightStore
+from headrace.weights.memory import MemoryWeightStore
+
+FORMAT = 1
+POINTER = "LATEST"
+MANIFEST = "manifest.json"
+_STAGING_PREFIX = ".tmp-"
+_TRASH_PREFIX = ".gone-"
+
+# Every dtype a parameter may have, by the name the manifest records.
+_DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name)
+    for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                 "uint64", "float16", "float32", "float64")
+}
+_DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
+
+
+class CorruptWeights(ValueError):
+    """A published version's files do not match its manifest (bit rot, truncation, tampering)."""
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: pathlib.Path, data, fsync: bool) -> None:
+    """Writes `data` (bytes-like) to a new file `path`; with `fsync`, durably."""
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def _as_host_array(path: str, value) -> np.ndarray:
+    """`value` as a C-contiguous, native-order NumPy array of a supported dtype."""
+    array = np.asarray(value)  # a jax.Array is copied to the host here (a device sync)
+    if array.dtype.name not in _DTYPES:
+        raise ValueError(f"parameter {path!r} has dtype {array.dtype}; supported dtypes are "
+                         f"{', '.join(sorted(_DTYPES))}: cast it before publishing")
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    return np.ascontiguousarray(array).reshape(array.shape)
+
+
+class DirWeightStore(WeightStore):
+    """Weight store backed by a directory; safe for one publisher and many concurrent readers.
+
+    Args:
+      root: the store's directory (created if missing).
+      keep: versions kept after each publish (>= 1); older ones are pruned.
+      fsync: fsync files and directories while publishing (turn off only for throwaway stores:
+        without it a machine crash can leave a published version with missing bytes).
+
+    Attributes (timings for `weights/publish_s` and `weights/pickup_s`; written by the calling
+    thread, so with several loading threads they describe the most recent call):
+      last_publish_s, last_publish_bytes: wall time and payload of the last `publish`.
+      last_load_s, last_load_bytes: wall time and payload of the last successful `load`.
+
+    Raises:
+      ValueError: `keep` < 1.
+      OSError: the directory cannot be created.
+    """
+
+    def __init__(self, root: str | os.PathLike, keep: int = 2, *, fsync: bool = True):
+        if keep < 1:
+            raise ValueError(f"keep={keep}: must be >= 1")
+        self.root = pathlib.Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self._fsync = fsync
+        self._publish_lock = threading.Lock()
+        self.last_publish_s = float("nan")
+        self.last_publish_bytes = 0
+        self.last_load_s = float("nan")
+        self.last_load_bytes = 0
+
+    def __repr__(self) -> str:
+        return f"DirWeightStore({str(self.root)!r}, keep={self.keep})"
+
+    def version_dir(self, version: int) -> pathlib.Path:
+        return self.root / f"v{version}"
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def latest_version(self) -> int:
+        """The version `LATEST` names, or -1 before the first publish (one small file read).
+
+        Raises:
+          CorruptWeights: the pointer file does not hold a version number.
+        """
+        try:
+            text = (self.root / POINTER).read_text()
+        except FileNotFoundError:
+            return -1
+        try:
+            return int(text.strip())
+        except ValueError:
+            raise CorruptWeights(f"{self.root / POINTER} holds {text[:40]!r}, not a version "
+                                 "number; delete it to start the store afresh") from None
+
+    def versions(self) -> list[int]:
+        """Published versions still on disk, oldest first."""
+        latest = self.latest_version()
+        found = []
+        for entry in self.root.iterdir():
+            name = entry.name
+            if name.startswith("v") and name[1:].isdigit() and int(name[1:]) <= latest:
+                found.append(int(name[1:]))
+        return sorted(found)
+
+    def load(self, version: int) -> Params:
+        """Reads and verifies `version`; the arrays are fresh, writable copies.
+
+        Raises:
+          VersionGone: `version` was pruned (also while this call was reading it), or has not
+            been published.
+          CorruptWeights: the manifest is unreadable, or an array file is missing, has the wrong
+            size, or fails its checksum (the message names the file and the parameter).
+        """
+        start = time.perf_counter()
+        latest = self.latest_version()
+        if not 0 <= version <= latest:
+            raise VersionGone(f"weights version {version} is not published in {self.root} "
+                              f"(latest: {latest})")
+        directory = self.version_dir(version)
+        try:
+            manifest = self._read_manifest(directory, version)
+            params: Params = {}
+            total = 0
+            for record in manifest["arrays"]:
+                params[record["path"]] = self._read_array(directory, version, record)
+                total += record["nbytes"]
+        except FileNotFoundError as error:
+            if directory.is_dir():
+                raise CorruptWeights(f"weights version {version}: {error.filename} is missing "
+                                     f"from {directory}; republish the version") from None
+            raise VersionGone(f"weights version {version} was pruned from {self.root} "
+                              f"(kept: {self.versions()})") from None
+        self.last_load_s = time.perf_counter() - start
+        self.last_load_bytes = total
+        return params
+
+    def _read_manifest(self, directory: pathlib.Path, version: int) -> dict:
+        path = directory / MANIFEST
+        raw = path.read_bytes()
+        try:
+            manifest = json.loads(raw)
+            ok = (manifest["format"] == FORMAT and manifest["version"] == version
+                  and isinstance(manifest["arrays"], list))
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise CorruptWeights(f"{path} is not a format-{FORMAT} manifest of version {version}; "
+                                 "republish the version")
+        if manifest.get("byteorder", "little") != sys.byteorder:
+            raise CorruptWeights(f"{path} was written on a {manifest['byteorder']}-endian host; "
+                                 f"this host is {sys.byteorder}-endian")
+        return manifest
+
+    def _read_array(self, directory: pathlib.Path, version: int, record: dict) -> np.ndarray:
+        try:
+            dtype = _DTYPES[record["dtype"]]
+            shape = tuple(int(n) for n in record["shape"])
+            file, nbytes, crc = record["file"], int(record["nbytes"]), int(record["crc32"])
+            name = record["path"]
+        except (KeyError, TypeError, ValueError):
+            raise CorruptWeights(f"{directory / MANIFEST} has a malformed array record "
+                                 f"{str(record)[:120]}; republish the version") from None
+        array = np.empty(shape, dtype)
+        if array.nbytes != nbytes:
+            raise CorruptWeights(f"{directory / MANIFEST}: parameter {name!r} claims {nbytes} "
+                                 f"bytes for {record['dtype']}{list(shape)}")
+        flat = array.reshape(-1).view(np.uint8)
+        with open(directory / file, "rb") as f:
+            read = f.readinto(flat)
+            extra = f.read(1)
+        if read != nbytes or extra:
+            raise CorruptWeights(f"weights version {version}: {directory / file} (parameter "
+                                 f"{name!r}) is not {nbytes} bytes long; republish the version")
+        actual = zlib.crc32(flat)
+        if actual != crc:
+            raise CorruptWeights(f"weights version {version}: {directory / file} (parameter "
+                                 f"{name!r}) has crc32 {actual:08x}, the manifest says {crc:08x}; "
+                                 "the file is corrupt: republish the version or load another")
+        return array
+
+    # --- writing -------------------------------------------------------------------------------
+
+    def publish(self, params: Mapping[str, np.ndarray], version: int) -> None:
+        """Writes `params` as `version`, moves `LATEST` to it, then prunes old versions.
+
+        Blocks for the whole write (about one pass over the bytes plus the fsyncs). `params` may
+        hold jax arrays; they are copied to the host first.
+
+        Raises:
+          ValueError: `version` is not an int newer than the latest, `params` is empty, a key is
+            not a non-empty string, or an array has an unsupported dtype.
+          OSError: the filesystem failed; the previous version stays current.
+        """
+        start = time.perf_counter()
+        if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
+            raise ValueError(f"version must be an int, got {version!r}")
+        version = int(version)
+        if not isinstance(params, Mapping) or not params:
+            raise ValueError("params must be a non-empty mapping of dotted path -> array")
+        arrays = []
+        for path, value in params.items():
+            if not isinstance(path, str) or not path:
+                raise ValueError(f"parameter name {path!r} must be a non-empty string")
+            arrays.append((path, _as_host_array(path, value)))
+        with self._publish_lock:
+            latest = self.latest_version()
+            if version <= latest:
+                raise ValueError(f"version {version} is not newer than {latest} in {self.root}")
+            self._remove_leftovers()
+            staging = self.root / f"{_STAGING_PREFIX}v{version}-{uuid.uuid4().hex[:8]}"
+            staging.mkdir()
+            try:
+                total = self._write_version(staging, version, arrays)
+                final = self.version_dir(version)
+                if final.exists():  # left by a crash before the pointer moved: never published
+                    self._discard(final)
+                os.rename(staging, final)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            if self._fsync:
+                _fsync_dir(self.root)
+            self._write_pointer(version)
+            self._prune()
+        self.last_publish_s = time.perf_counter() - start
+        self.last_publish_bytes = total
+
+    def _write_version(self, staging: pathlib.Path, version: int,
+                       arrays: list[tuple[str, np.ndarray]]) -> int:
+        records = []
+        total = 0
+        for index, (path, array) in enumerate(arrays):
+            data = array.reshape(-1).view(np.uint8)
+            file = f"{index:05d}.bin"
+            _write_file(staging / file, data, self._fsync)
+            records.append({"path": path, "file": file, "dtype": array.dtype.name,
+                            "shape": list(array.shape), "nbytes": int(array.nbytes),
+                            "crc32": zlib.crc32(data)})
+            total += array.nbytes
+        manifest = {"format": FORMAT, "version": version, "created": time.time(),
+                    "byteorder": sys.byteorder, "total_bytes": total, "arrays": records}
+        _write_file(staging / MANIFEST, json.dumps(manifest, indent=1).encode(), self._fsync)
+        if self._fsync:
+            _fsync_dir(staging)
+        return total
+
+    def _write_pointer(self, version: int) -> None:
+        temporary = self.root / f"{_STAGING_PREFIX}{POINTER}-{uuid.uuid4().hex[:8]}"
+        try:
+            _write_file(temporary, f"{version}\n".encode(), self._fsync)
+            os.replace(temporary, self.root / POINTER)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        if self._fsync:
+            _fsync_dir(self.root)
+
+    def _prune(self) -> None:
+        """Removes published versions older than the newest `keep`."""
+        for version in self.versions()[:-self.keep]:
+            self._discard(self.version_dir(version))
+
+    def _discard(self, directory: pathlib.Path) -> None:
+        # Rename first: a reader then finds the version whole or not at all (VersionGone).
+        trash = self.root / f"{_TRASH_PREFIX}{directory.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(directory, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def _remove_leftovers(self) -> None:
+        """Deletes staging and trash directories a crashed publisher left behind."""
+        for entry in self.root.iterdir():
+            if entry.name.startswith((_STAGING_PREFIX, _TRASH_PREFIX)):
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+
+
+def from_config(config: WeightsConfig, run_dir: str | os.PathLike, keep: int) -> WeightStore:
+    """The weight store a run's config asks for.
+
+    Args:
+      config: the `weights` section; `path` defaults to RUN_DIR/weights for the dir backend.
+      run_dir: the run folder.
+      keep: versions to keep, normally `Config.weights_keep` (max_policy_lag + 2 at least).
+
+    The memory backend lives in one process: use it only with the threads launcher.
+    """
+    if config.backend == "memory":
+        return MemoryWeightStore(keep=keep)
+    if config.backend == "dir":
+        return DirWeightStore(config.path or pathlib.Path(run_dir) / "weights", keep=keep)
+    raise ValueError(f"weights.backend={config.backend!r}: one of dir, memory")

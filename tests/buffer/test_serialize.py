@@ -1,0 +1,158 @@
+"""Serialization of groups: exact round trips, and `MalformedEntry` (only) for every bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import numpy as np
+import pytest
+
+from headrace.buffer.serialize import MalformedEntry, decode, encode
+from headrace.types import SCHEMA_VERSION, Group, Trajectory, Turn
+
+
+def full_group() -> Group:
+    """A group that sets every field of Group, Trajectory and Turn to a non-default value."""
+    ok = Trajectory(
+        trajectory_id="traj-0", group_id="grp-7", task_id="task-3", env="guess_number",
+        actor_id="actor-2", tokens=np.array([5, 9, 2, 7, 1], np.int32),
+        loss_mask=np.array([0, 0, 1, 1, 0], bool),
+        behaviour_logprobs=np.array([0, 0, -0.25, -1.5, 0], np.float32),
+        policy_version=np.array([-1, -1, 4, 5, -1], np.int32),
+        turns=[Turn(0, 2, "system"), Turn(2, 4, "assistant", 0.5), Turn(4, 5, "tool", -1.0)],
+        reward=-0.5, status="truncated", error=None,
+        timings={"admitted": 100.0, "started": 100.5, "finished": 103.25},
+        sampling={"temperature": 0.7, "top_k": 20, "top_p": 0.9})
+    failed = Trajectory(
+        trajectory_id="traj-1", group_id="grp-7", task_id="task-3", env="guess_number",
+        actor_id="actor-2", tokens=np.zeros(0, np.int32), loss_mask=np.zeros(0, bool),
+        behaviour_logprobs=np.zeros(0, np.float32), policy_version=np.zeros(0, np.int32),
+        turns=[], reward=0.0, status="error", error="env step timed out after 30 s",
+        timings={"started": 101.0}, sampling={})
+    return Group("grp-7", "task-3", [ok, failed], put_version=12)
+
+
+def assert_same(a: Group, b: Group) -> None:
+    assert (a.group_id, a.task_id, a.put_version) == (b.group_id, b.task_id, b.put_version)
+    assert len(a.trajectories) == len(b.trajectories)
+    for x, y in zip(a.trajectories, b.trajectories, strict=True):
+        for field in dataclasses.fields(Trajectory):
+            u, v = getattr(x, field.name), getattr(y, field.name)
+            if isinstance(u, np.ndarray):
+                assert u.dtype == v.dtype and u.shape == v.shape, field.name
+                np.testing.assert_array_equal(u, v, err_msg=field.name)
+            else:
+                assert u == v, field.name
+
+
+def record(group: Group) -> dict:
+    return msgpack.unpackb(encode(group), raw=False)
+
+
+def pack(rec: dict) -> bytes:
+    return msgpack.packb(rec, use_bin_type=True)
+
+
+def test_round_trip_keeps_every_field():
+    group = full_group()
+    back = decode(encode(group))
+    assert_same(group, back)
+    assert back.trajectories[0].schema_version == SCHEMA_VERSION
+    assert back.oldest_version == 4 and back.started == 100.5
+
+
+def test_round_trip_of_big_arrays_is_exact():
+    rng = np.random.default_rng(0)
+    n = 5000
+    t = Trajectory("t", "g", "k", "e", "a", rng.integers(0, 2**31 - 1, n, dtype=np.int32),
+                   rng.random(n) < 0.5, rng.standard_normal(n).astype(np.float32),
+                   rng.integers(-1, 100, n, dtype=np.int32), [Turn(0, n, "assistant", 1.0)], 1.0)
+    assert_same(Group("g", "k", [t]), decode(encode(Group("g", "k", [t]))))
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\x00", b"\xc1", b"garbage bytes", b"\x93\x01\x02",
+    msgpack.packb([1, 2, 3]), msgpack.packb("a string"), msgpack.packb({"x": 1}),
+])
+def test_garbage_is_malformed(data):
+    with pytest.raises(MalformedEntry):
+        decode(data)
+
+
+def test_every_truncation_is_malformed():
+    data = encode(full_group())
+    for cut in range(0, len(data), max(1, len(data) // 97)):
+        with pytest.raises(MalformedEntry):
+            decode(data[:cut])
+
+
+@pytest.mark.parametrize("version", [SCHEMA_VERSION + 1, 0, "1", None])
+def test_other_schema_versions_are_malformed(version):
+    rec = record(full_group())
+    rec["v"] = version
+    with pytest.raises(MalformedEntry, match="schema version"):
+        decode(pack(rec))
+
+
+def test_missing_schema_version_is_malformed():
+    rec = record(full_group())
+    del rec["v"]
+    with pytest.raises(MalformedEntry):
+        decode(pack(rec))
+
+
+def _mutate(path: tuple, value) -> bytes:
+    rec = record(full_group())
+    node = rec
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return pack(rec)
+
+
+@pytest.mark.parametrize("path,value", [
+    (("trajectories", 0, "tokens", 1), [6]),  # shape disagrees with the bytes
+    (("trajectories", 0, "loss_mask"), ["|b1", [4], b"\x00\x01\x01\x00"]),  # T-1 items
+    (("trajectories", 0, "policy_version"), ["<i4", [2, 2], np.zeros(4, "<i4").tobytes()]),
+    (("trajectories", 0, "tokens", 0), "<i8"),  # another dtype
+    (("trajectories", 0, "tokens"), "not an array"),
+    (("trajectories", 0, "behaviour_logprobs", 2), "not bytes"),
+    (("trajectories", 0, "turns"), [[0, 9, "assistant", 1.0]]),  # runs past the tokens
+    (("trajectories", 0, "turns"), [[0, 2, "narrator", 1.0]]),  # unknown role
+    (("trajectories", 0, "turns"), [[0, 2]]),
+    (("trajectories", 0, "status"), "exploded"),
+    (("trajectories", 0, "group_id"), "another-group"),
+    (("trajectories", 0, "unknown_field"), 1),
+    (("trajectories",), []),
+    (("trajectories",), "not a list"),
+    (("trajectories", 1), "not a map"),
+    (("group", "put_version"), "twelve"),
+    (("group",), None),
+])
+def test_inconsistent_records_are_malformed(path, value):
+    with pytest.raises(MalformedEntry):
+        decode(_mutate(path, value))
+
+
+def test_missing_fields_are_malformed():
+    for key in ("tokens", "turns", "trajectory_id", "reward"):
+        rec = record(full_group())
+        del rec["trajectories"][0][key]
+        with pytest.raises(MalformedEntry):
+            decode(pack(rec))
+
+
+def test_corrupted_bytes_decode_or_raise_malformed_only():
+    """Random byte flips: either a valid group comes back or MalformedEntry; nothing else."""
+    data = bytearray(encode(full_group()))
+    rng = np.random.default_rng(1)
+    for _ in range(400):
+        bad = bytearray(data)
+        for pos in rng.integers(0, len(bad), size=int(rng.integers(1, 4))):
+            bad[pos] = int(rng.integers(0, 256))
+        try:
+            group = decode(bytes(bad))
+        except MalformedEntry:
+            continue
+        group.validate()

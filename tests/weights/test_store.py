@@ -1,0 +1,319 @@
+"""The weight store contract (one suite over all backends) and the directory store's guarantees."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from headrace.config import WeightsConfig
+from headrace.weights import (
+    CorruptWeights,
+    DirWeightStore,
+    MemoryWeightStore,
+    VersionGone,
+    WeightStore,
+    from_config,
+)
+from headrace.weights.directory import MANIFEST, POINTER
+
+
+def make_params(version: int = 0, scale: int = 1) -> dict[str, np.ndarray]:
+    """Small parameters of every supported kind whose values identify `version`."""
+    rng = np.random.default_rng(version)
+    return {
+        "embed.table": rng.standard_normal((16 * scale, 8)).astype(np.float32),
+        "layers.0.attn.q.kernel": rng.standard_normal((8, 8)).astype(ml_dtypes.bfloat16),
+        "layers.0.norm.scale": np.full((8,), version, np.float32),
+        "step": np.asarray(version, np.int32),  # 0-d
+        "empty": np.zeros((0, 3), np.float32),
+    }
+
+
+def assert_same(loaded: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
+    assert list(loaded) == list(expected)
+    for name, array in expected.items():
+        assert loaded[name].dtype == array.dtype, name
+        assert loaded[name].shape == array.shape, name
+        # Bit-exact, also for bfloat16 (compare the raw bytes).
+        assert loaded[name].tobytes() == np.ascontiguousarray(array).tobytes(), name
+
+
+@pytest.fixture(params=["memory", "dir"])
+def make_store(request, tmp_path):
+    stores = []
+
+    def make(keep: int = 2) -> WeightStore:
+        if request.param == "memory":
+            store = MemoryWeightStore(keep=keep)
+        else:
+            store = DirWeightStore(tmp_path / f"store{len(stores)}", keep=keep)
+        stores.append(store)
+        return store
+
+    try:
+        yield make
+    finally:
+        for store in stores:
+            store.close()
+
+
+# --- the contract: every backend ---------------------------------------------------------------
+
+
+def test_empty_store_has_version_minus_one(make_store):
+    store = make_store()
+    assert store.latest_version() == -1
+    with pytest.raises(VersionGone):
+        store.load(0)
+
+
+def test_round_trip_is_exact(make_store):
+    store = make_store()
+    params = make_params(0)
+    store.publish(params, 0)
+    assert store.latest_version() == 0
+    assert_same(store.load(0), params)
+
+
+def test_versions_must_increase(make_store):
+    store = make_store()
+    store.publish(make_params(3), 3)
+    for stale in (3, 2, -1):
+        with pytest.raises(ValueError):
+            store.publish(make_params(stale), stale)
+    assert store.latest_version() == 3
+    store.publish(make_params(7), 7)  # gaps are allowed
+    assert store.latest_version() == 7
+    assert_same(store.load(7), make_params(7))
+
+
+def test_pruning_keeps_the_newest_n(make_store):
+    store = make_store(keep=3)
+    for version in range(6):
+        store.publish(make_params(version), version)
+        assert store.latest_version() == version
+    for version in (3, 4, 5):
+        assert_same(store.load(version), make_params(version))
+    for version in (0, 1, 2):
+        with pytest.raises(VersionGone):
+            store.load(version)
+    with pytest.raises(KeyError):  # VersionGone is a KeyError
+        store.load(0)
+
+
+def test_unpublished_version_is_gone(make_store):
+    store = make_store()
+    store.publish(make_params(0), 0)
+    for version in (1, 10, -1):
+        with pytest.raises(VersionGone):
+            store.load(version)
+
+
+def test_from_config_builds_each_backend(tmp_path):
+    memory = from_config(WeightsConfig(backend="memory"), tmp_path, keep=3)
+    assert isinstance(memory, MemoryWeightStore)
+    default = from_config(WeightsConfig(backend="dir"), tmp_path, keep=3)
+    assert isinstance(default, DirWeightStore)
+    assert default.root == tmp_path / "weights" and default.keep == 3
+    custom = from_config(WeightsConfig(backend="dir", path=str(tmp_path / "w")), tmp_path, keep=4)
+    assert custom.root == tmp_path / "w" and custom.root.is_dir()
+
+
+# --- the directory backend ---------------------------------------------------------------------
+
+
+def test_layout_manifest_and_pointer(tmp_path):
+    store = DirWeightStore(tmp_path, keep=2)
+    params = make_params(4)
+    store.publish(params, 4)
+    assert (tmp_path / POINTER).read_text().strip() == "4"
+    manifest = json.loads((tmp_path / "v4" / MANIFEST).read_text())
+    assert manifest["version"] == 4 and manifest["created"] <= time.time()
+    assert [r["path"] for r in manifest["arrays"]] == list(params)
+    records = {r["path"]: r for r in manifest["arrays"]}
+    assert records["layers.0.attn.q.kernel"]["dtype"] == "bfloat16"
+    assert records["step"]["shape"] == [] and records["embed.table"]["shape"] == [16, 8]
+    for record in manifest["arrays"]:
+        assert (tmp_path / "v4" / record["file"]).stat().st_size == record["nbytes"]
+    # Nothing temporary is left behind.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [POINTER, "v4"]
+
+
+def test_timings_are_recorded(tmp_path):
+    store = DirWeightStore(tmp_path)
+    store.publish(make_params(0), 0)
+    store.load(0)
+    assert store.last_publish_s > 0 and store.last_load_s > 0
+    assert store.last_publish_bytes == store.last_load_bytes == sum(
+        a.nbytes for a in make_params(0).values())
+
+
+def test_bfloat16_and_non_contiguous_round_trip(tmp_path):
+    store = DirWeightStore(tmp_path)
+    base = np.linspace(-3, 3, 48, dtype=np.float32).reshape(6, 8)
+    params = {"bf16": base.astype(ml_dtypes.bfloat16), "transposed": base.T,
+              "big_endian": base.astype(">f4"), "ints": np.arange(-5, 5, dtype=np.int32)}
+    store.publish(params, 0)
+    loaded = store.load(0)
+    assert loaded["bf16"].dtype == np.dtype(ml_dtypes.bfloat16)
+    assert loaded["bf16"].view(np.uint16).tolist() == params["bf16"].view(np.uint16).tolist()
+    np.testing.assert_array_equal(loaded["transposed"], base.T)
+    np.testing.assert_array_equal(loaded["big_endian"], base)
+    np.testing.assert_array_equal(loaded["ints"], params["ints"])
+    loaded["ints"][0] = 99  # loads are private, writable copies
+    assert store.load(0)["ints"][0] == -5
+
+
+def test_bad_params_are_refused(tmp_path):
+    store = DirWeightStore(tmp_path)
+    with pytest.raises(ValueError, match="dtype"):
+        store.publish({"names": np.array(["a", "b"])}, 0)
+    with pytest.raises(ValueError, match="non-empty"):
+        store.publish({}, 0)
+    with pytest.raises(ValueError, match="string"):
+        store.publish({3: np.zeros(2, np.float32)}, 0)
+    with pytest.raises(ValueError, match="int"):
+        store.publish(make_params(0), 1.5)
+    with pytest.raises(ValueError, match="keep"):
+        DirWeightStore(tmp_path, keep=0)
+    assert store.latest_version() == -1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_crash_before_pointer_leaves_previous_version(tmp_path):
+    store = DirWeightStore(tmp_path)
+    store.publish(make_params(0), 0)
+    # A publisher that died while writing v1: a partial version directory and a staging directory.
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "00000.bin").write_bytes(b"\0" * 10)
+    (tmp_path / ".tmp-v1-deadbeef").mkdir()
+    reader = DirWeightStore(tmp_path)
+    assert reader.latest_version() == 0
+    assert reader.versions() == [0]
+    with pytest.raises(VersionGone):
+        reader.load(1)
+    assert_same(reader.load(0), make_params(0))
+    # The restarted publisher writes v1 over the leftovers.
+    store.publish(make_params(1), 1)
+    assert_same(reader.load(1), make_params(1))
+    assert not (tmp_path / ".tmp-v1-deadbeef").exists()
+
+
+def test_pointer_is_written_last(tmp_path, monkeypatch):
+    store = DirWeightStore(tmp_path)
+    store.publish(make_params(0), 0)
+
+    def crash(version):
+        # Everything else of the version is on disk when the pointer is about to move.
+        manifest = json.loads((tmp_path / f"v{version}" / MANIFEST).read_text())
+        for record in manifest["arrays"]:
+            assert (tmp_path / f"v{version}" / record["file"]).is_file()
+        raise OSError("simulated crash before the pointer moved")
+
+    monkeypatch.setattr(store, "_write_pointer", crash)
+    with pytest.raises(OSError, match="simulated"):
+        store.publish(make_params(1), 1)
+    assert DirWeightStore(tmp_path).latest_version() == 0
+    with pytest.raises(VersionGone):
+        store.load(1)
+    monkeypatch.undo()
+    store.publish(make_params(1), 1)
+    assert_same(store.load(1), make_params(1))
+
+
+def test_corruption_is_detected(tmp_path):
+    store = DirWeightStore(tmp_path, keep=3)
+    store.publish(make_params(0), 0)
+    manifest = json.loads((tmp_path / "v0" / MANIFEST).read_text())
+    record = next(r for r in manifest["arrays"] if r["path"] == "embed.table")
+    path = tmp_path / "v0" / record["file"]
+    data = bytearray(path.read_bytes())
+    data[17] ^= 0x01  # one flipped bit, same size
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptWeights, match="embed.table.*crc32"):
+        store.load(0)
+    path.write_bytes(bytes(data[:-4]))  # truncated
+    with pytest.raises(CorruptWeights, match="bytes long"):
+        store.load(0)
+    path.unlink()  # missing while the version directory exists
+    with pytest.raises(CorruptWeights, match="missing"):
+        store.load(0)
+
+    store.publish(make_params(1), 1)
+    (tmp_path / "v1" / MANIFEST).write_text("{not json")
+    with pytest.raises(CorruptWeights, match="manifest"):
+        store.load(1)
+    (tmp_path / POINTER).write_text("garbage")
+    with pytest.raises(CorruptWeights, match="LATEST"):
+        store.latest_version()
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_reader_never_sees_a_partial_version(tmp_path):
+    writer = DirWeightStore(tmp_path, keep=2)
+    reader = DirWeightStore(tmp_path, keep=2)
+    writer.publish(make_params(0, scale=8), 0)
+    stop = threading.Event()
+    seen: list[list[int]] = [[], []]
+    gone = [0]
+    errors: list[BaseException] = []
+
+    def read(seen_here: list[int]):
+        try:
+            while not stop.is_set():
+                version = reader.latest_version()
+                try:
+                    loaded = reader.load(version)
+                except VersionGone:
+                    # Allowed only when pruned between the poll and the read.
+                    assert reader.latest_version() >= version + writer.keep, version
+                    gone[0] += 1
+                    continue
+                assert_same(loaded, make_params(version, scale=8))
+                seen_here.append(version)
+        except BaseException as error:  # surfaced in the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=read, args=(s,), daemon=True) for s in seen]
+    for thread in threads:
+        thread.start()
+    try:
+        for version in range(1, 51):
+            writer.publish(make_params(version, scale=8), version)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in threads)
+    assert not errors, errors[0]
+    for seen_here in seen:  # each reader saw complete versions, never going back
+        assert seen_here and seen_here == sorted(seen_here), (seen_here, gone)
+    assert max(max(s) for s in seen) >= 1, (seen, gone)
+    assert writer.versions() == [49, 50]
+
+
+@pytest.mark.timeout(60)
+def test_another_process_reads_the_store(tmp_path):
+    store = DirWeightStore(tmp_path)
+    store.publish(make_params(2), 2)
+    code = (
+        "import sys, zlib\n"
+        "from headrace.weights import DirWeightStore\n"
+        "store = DirWeightStore(sys.argv[1])\n"
+        "v = store.latest_version()\n"
+        "params = store.load(v)\n"
+        "print(v, zlib.crc32(b''.join(params[k].tobytes() for k in sorted(params))))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                            text=True, timeout=50, check=True)
+    expected = make_params(2)
+    crc = zlib.crc32(b"".join(expected[k].tobytes() for k in sorted(expected)))
+    assert result.stdout.split() == ["2", str(crc)]
