@@ -8,8 +8,9 @@ phases, each on fresh keys. Writers are separate processes (as actors are), the 
 process (as a learner's reader does), so neither side's Python work stalls the other's.
 
   1. raw, flat out: each writer encodes `batch` groups (`serialize.encode`) and XADDs them in one
-     pipeline; the reader runs XREADGROUP (count 256), decodes each entry (`serialize.decode`), then
-     XACK + XDEL (the deletes headrace does). Raw writers check XLEN against the same capacity
+     MULTI/EXEC pipeline (readers see whole batches, as with headrace); the reader runs XREADGROUP
+     (count 256), decodes each entry (`serialize.decode`), then XACK + XDEL (the deletes headrace
+     does). Raw writers check XLEN against the same capacity
      before each pipeline (flow control without atomicity: one round trip, as headrace's
      reservation costs one); without it, writers flat out starve the reader. Raw serializes like
      headrace because any user of Redis must: the ratio isolates the buffer's own machinery
@@ -17,12 +18,15 @@ process (as a learner's reader does), so neither side's Python work stalls the o
   2. headrace, flat out: each writer calls `RedisBuffer.put(batch of groups)` (encode, reserve
      capacity in a small script, XADDs in one transaction); the reader calls `get(256)` (reserve,
      XREADGROUP, decode, quarantine check) + `ack` (XACK + XDEL script).
-  3./4. raw, then headrace, at an offered load of half phase 1's throughput: writers put on a fixed
-     schedule; the reader polls without blocking, so a get's latency is the service time of a call
-     that returned data, not time spent waiting for data. A put's latency is its service time (from
-     its start, not from its scheduled time).
+  3./4. headrace, then raw, at an offered load of half raw's throughput: writers put on a fixed
+     schedule; the reader polls without blocking for up to `batch` groups, so a get's latency is
+     the service time of a call that returned data (one put's worth at most), not time spent
+     waiting for data. A put's latency is its service time (from its start, not its schedule).
 
-Throughput is end to end: groups acknowledged per second after a warm-up. Each group has
+Without `--quick` each phase runs twice, in ABBA order (raw, headrace, headrace, raw; latency
+mirrored), half the duration each, and samples are pooled: a shared machine's changing load then
+weighs on both sides alike. Throughput is end to end: groups acknowledged per second after a
+warm-up (`duration` is the measured time per side and kind, excluding warm-ups). Each group has
 `trajectories` trajectories whose arrays add up to `payload-kib`. Output (`--json`):
 `{"headrace": {...}, "raw": {...}, "ratio": headrace/raw throughput}` with, inside each,
 throughput_per_s, put_ms_p50/p99/p999, get_ms_p50/p99/p999 and offered_per_s.
@@ -51,7 +55,7 @@ from headrace.buffer.server import RedisServer
 from headrace.types import Group, Trajectory, Turn
 
 BYTES_PER_TOKEN = 13  # int32 token + bool mask + float32 logprob + int32 version
-READ_COUNT = 256  # groups per get / XREADGROUP
+READ_COUNT = 256  # groups per get / XREADGROUP when flat out (latency phases read `batch`)
 
 
 def make_group(index: int, payload_bytes: int, trajectories: int) -> Group:
@@ -84,12 +88,16 @@ def _writer(spec: dict) -> None:
     control = server.client(socket_timeout=30)
     if spec["kind"] == "raw":
         client, stream = server.client(socket_timeout=30), _raw_stream(spec["run_id"])
+        backoff = [0.002]
 
         def put() -> None:
             if client.xlen(stream) + len(groups) > spec["capacity"]:
-                time.sleep(0.002)  # plain flow control (not atomic): wait, as a blocked put does
+                # plain flow control (not atomic), backing off like a blocked RedisBuffer.put
+                time.sleep(backoff[0])
+                backoff[0] = min(backoff[0] * 2, 0.05)
                 raise BufferFull(stream)
-            pipe = client.pipeline(transaction=False)
+            backoff[0] = 0.002
+            pipe = client.pipeline(transaction=True)  # whole batches, as headrace writes them
             for group in groups:
                 pipe.xadd(stream, {FIELD: encode(group)})
             pipe.execute()
@@ -138,8 +146,9 @@ class _Phase:
     """Starts writer processes, reads with this process until the end, collects the results."""
 
     def __init__(self, server: RedisServer, folder: str, kind: str, args: argparse.Namespace,
-                 warmup: float, offered_per_s: float | None):
+                 warmup: float, duration: float, offered_per_s: float | None):
         self.server, self.kind, self.args, self.warmup = server, kind, args, warmup
+        self.duration = duration
         self.run_id = f"bench-{kind}-{uuid.uuid4().hex[:8]}"
         self.folder = pathlib.Path(folder) / self.run_id
         self.folder.mkdir()
@@ -152,7 +161,7 @@ class _Phase:
                     payload_bytes=int(self.args.payload_kib * 1024),
                     trajectories=self.args.trajectories, capacity=self.capacity,
                     interval=self.interval, offset=k * self.interval / self.args.writers,
-                    warmup=self.warmup, duration=self.args.duration,
+                    warmup=self.warmup, duration=self.duration,
                     out=str(self.folder / f"writer{k}.json"))
         log = open(self.folder / f"writer{k}.log", "wb")
         try:
@@ -167,6 +176,7 @@ class _Phase:
 
     def run(self) -> dict:
         control = self.server.client(socket_timeout=30)
+        count = self.args.batch if self.interval else READ_COUNT
         if self.kind == "raw":
             reader_client = self.server.client(socket_timeout=30)
             stream = _raw_stream(self.run_id)
@@ -175,7 +185,7 @@ class _Phase:
 
             def get(block_ms: int | None) -> list:
                 reply = reader_client.xreadgroup(GROUP, "reader", {stream: ">"},
-                                                 count=READ_COUNT, block=block_ms)
+                                                 count=count, block=block_ms)
                 entries = reply[0][1] if reply else []
                 for _, fields in entries:
                     decode(fields[FIELD])
@@ -193,7 +203,7 @@ class _Phase:
             cleanup = buffer.drop
 
             def get(block_ms: int | None) -> list:
-                entries = buffer.get(READ_COUNT, timeout_s=(block_ms or 0) / 1000)
+                entries = buffer.get(count, timeout_s=(block_ms or 0) / 1000)
                 return [e.id for e in entries]
 
             ack = buffer.ack
@@ -203,7 +213,7 @@ class _Phase:
             start = time.time() + 0.1
             control.set(f"bench:{self.run_id}:start", repr(start))
             window_from = start + self.warmup
-            end = window_from + self.args.duration
+            end = window_from + self.duration
             done, get_ms = 0, []
             while (now := time.time()) < end:
                 began = time.perf_counter()
@@ -226,11 +236,8 @@ class _Phase:
             cleanup()
             control.delete(f"bench:{self.run_id}:ready", f"bench:{self.run_id}:start")
             control.close()
-        p50, p99, p999 = _quantiles(put_ms)
-        g50, g99, g999 = _quantiles(get_ms if self.interval else [])
-        return {"throughput_per_s": done / self.args.duration, "put_ms_p50": p50,
-                "put_ms_p99": p99, "put_ms_p999": p999, "get_ms_p50": g50, "get_ms_p99": g99,
-                "get_ms_p999": g999}
+        return {"done": done, "seconds": self.duration, "put_ms": put_ms,
+                "get_ms": get_ms if self.interval else []}
 
     def _wait_ready(self, control, procs: list[subprocess.Popen]) -> None:
         deadline = time.monotonic() + 120
@@ -259,23 +266,35 @@ class _Phase:
         return put_ms
 
 
-def run(args: argparse.Namespace, warmup: float) -> dict:
+def run(args: argparse.Namespace, warmup: float, rounds: int) -> dict:
+    """Flat-out phases in the order raw, headrace (then headrace, raw: ABBA, so drift in a shared
+    machine's load cancels), then latency phases in the mirrored order; samples are pooled."""
+    throughput_order = ["raw", "headrace"] + ["headrace", "raw"] * (rounds - 1)
+    latency_order = ["headrace", "raw"] + ["raw", "headrace"] * (rounds - 1)
+    seconds = args.duration / rounds
+    flat = {"raw": [], "headrace": []}
+    latency = {"raw": [], "headrace": []}
     with tempfile.TemporaryDirectory(prefix="headrace-bench-") as folder:
         with RedisServer(pathlib.Path(folder) / "redis", fsync="everysec") as server:
-            raw = _Phase(server, folder, "raw", args, warmup, None).run()
-            headrace = _Phase(server, folder, "headrace", args, warmup, None).run()
-            offered = raw["throughput_per_s"] / 2
-            raw_latency = _Phase(server, folder, "raw", args, warmup, offered).run()
-            headrace_latency = _Phase(server, folder, "headrace", args, warmup, offered).run()
+            for kind in throughput_order:
+                flat[kind].append(_Phase(server, folder, kind, args, warmup, seconds, None).run())
+            rate = {k: sum(r["done"] for r in v) / sum(r["seconds"] for r in v)
+                    for k, v in flat.items()}
+            offered = rate["raw"] / 2
+            for kind in latency_order:
+                latency[kind].append(
+                    _Phase(server, folder, kind, args, warmup, seconds, offered).run())
 
-    def combine(flat_out: dict, latency: dict) -> dict:
-        out = {"throughput_per_s": flat_out["throughput_per_s"]}
-        out.update({k: v for k, v in latency.items() if k != "throughput_per_s"})
-        out["offered_per_s"] = offered
-        return out
+    def side(kind: str) -> dict:
+        put_ms = [ms for r in latency[kind] for ms in r["put_ms"]]
+        get_ms = [ms for r in latency[kind] for ms in r["get_ms"]]
+        (p50, p99, p999), (g50, g99, g999) = _quantiles(put_ms), _quantiles(get_ms)
+        return {"throughput_per_s": rate[kind], "put_ms_p50": p50, "put_ms_p99": p99,
+                "put_ms_p999": p999, "get_ms_p50": g50, "get_ms_p99": g99, "get_ms_p999": g999,
+                "offered_per_s": offered}
 
-    return {"headrace": combine(headrace, headrace_latency), "raw": combine(raw, raw_latency),
-            "ratio": headrace["throughput_per_s"] / max(raw["throughput_per_s"], 1e-9)}
+    return {"headrace": side("headrace"), "raw": side("raw"),
+            "ratio": rate["headrace"] / max(rate["raw"], 1e-9)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"buffer bench: {args.writers} writer processes, {args.payload_kib:g} KiB groups of "
           f"{args.trajectories} trajectories, batches of {args.batch}, {args.duration:g} s per "
           "phase (raw, headrace flat out; then both at half raw's throughput)", file=sys.stderr)
-    emit(run(args, warmup), as_json=args.json, title="buffer: headrace vs raw redis-py")
+    result = run(args, warmup, rounds=1 if args.quick else 2)
+    emit(result, as_json=args.json, title="buffer: headrace vs raw redis-py")
     return 0
 
 

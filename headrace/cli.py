@@ -80,7 +80,23 @@ def _simulate(args) -> int:
     return int(simulate.main(args.args) or 0)
 
 
+def _compilation_cache() -> None:
+    """Reuses compiled XLA programs across runs (JAX's persistent cache), unless the user chose
+    a cache directory already or set HEADRACE_COMPILE_CACHE= (empty) to turn it off."""
+    import os
+
+    directory = os.environ.get("HEADRACE_COMPILE_CACHE",
+                               os.path.expanduser("~/.cache/headrace/xla"))
+    if not directory or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _compilation_cache()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)

@@ -355,6 +355,11 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
                "must be an integer")
         return value
     if annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         _check(isinstance(value, (int, float)) and not isinstance(value, bool), key, value,
                "must be a number")
         return float(value)

@@ -26,12 +26,14 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
     raise TooLong(f"length {length} exceeds the largest bucket {buckets[-1]}")
 
 
-def batch_ladder(max_batch: int, smallest: int = 8) -> tuple[int, ...]:
-    """Row counts a batched call may use: powers of two from `smallest`, capped by `max_batch`."""
-    sizes = []
-    size = min(smallest, max_batch)
-    while size < max_batch:
-        sizes.append(size)
-        size *= 2
-    sizes.append(max_batch)
-    return tuple(sizes)
+def batch_ladder(max_batch: int, smallest: int = 8, factor: int = 4) -> tuple[int, ...]:
+    """Row counts a batched call may use: `max_batch`, max_batch / factor, ... down to `smallest`.
+
+    A coarse ladder keeps compilations few; padding a small batch up costs little in absolute time.
+    """
+    sizes = [max_batch]
+    while sizes[-1] // factor >= smallest:
+        sizes.append(sizes[-1] // factor)
+    if sizes[-1] > smallest:
+        sizes.append(min(smallest, max_batch))
+    return tuple(sorted(set(sizes)))

@@ -12,6 +12,7 @@ data, never written, is not counted anywhere. A put that times out is logged, co
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -32,6 +33,9 @@ from headrace.types import Group, Trajectory
 from headrace.weights.base import WeightStore
 
 log = logging.getLogger(__name__)
+
+MAX_THREADS = 512  # blocking environment steps in flight per actor at most
+PUT_SLICE_S = 0.25  # longest a put blocks before the stop event is checked again
 
 
 def to_trajectory(result: EpisodeResult, *, group_id: str, task_id: str, env_name: str,
@@ -70,6 +74,10 @@ class Actor:
 
     async def _main(self) -> None:
         actor = self.config.actor
+        # Blocking env steps and buffer puts run in this pool: one thread per episode at most.
+        pool = concurrent.futures.ThreadPoolExecutor(min(actor.envs_per_actor + 4, MAX_THREADS),
+                                                     thread_name_prefix=f"{self.actor_id}-io")
+        asyncio.get_running_loop().set_default_executor(pool)
         sync = WeightSync(self.weights, self.sampler, self.metrics, self.config.staleness.forced_lag)
         while not sync.refresh(force=True):  # version 0 is published before actors start
             if self.stop.wait(0.05):
@@ -82,7 +90,8 @@ class Actor:
         tasks += [asyncio.create_task(self._slot(envs[i:i + g], policy))
                   for i in range(0, len(envs), g)]
         try:
-            await asyncio.to_thread(self.stop.wait)
+            while not self.stop.is_set():
+                await asyncio.sleep(0.05)
         finally:
             for task in tasks:
                 task.cancel()
@@ -117,18 +126,27 @@ class Actor:
             m.average("episode/length_mean", r.builder.length)
 
     async def _put(self, group: Group) -> None:
+        """Writes the group, waiting out backpressure in short slices so a stop is never held up.
+
+        A put blocked for `buffer.put_timeout_s` in total is logged and counted, then retried:
+        the group is never dropped. On stop the group is abandoned before it is written.
+        """
         start = time.perf_counter()
+        warned_at = start
         while not self.stop.is_set():
             group.put_version = self.weights.latest_version()
             put_at = time.time()
             for t in group.trajectories:
                 t.timings["put"] = put_at
             try:
-                await asyncio.to_thread(self.buffer.put, [group], self.config.buffer.put_timeout_s)
+                await asyncio.to_thread(self.buffer.put, [group], PUT_SLICE_S)
                 break
-            except BufferFull as error:
-                self.metrics.count("actor/put_timeouts")
-                log.warning("actor %s: %s; retrying", self.actor_id, error)
+            except BufferFull:
+                if time.perf_counter() - warned_at >= self.config.buffer.put_timeout_s:
+                    warned_at = time.perf_counter()
+                    self.metrics.count("actor/put_timeouts")
+                    log.warning("actor %s: buffer full for %.0f s; still retrying",
+                                self.actor_id, self.config.buffer.put_timeout_s)
         self._blocked_s += time.perf_counter() - start
         self.metrics.gauge("actor/idle_frac",
                            self._blocked_s / self.config.actor.envs_per_actor

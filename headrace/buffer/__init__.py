@@ -2,7 +2,8 @@
 
 from headrace.buffer.base import Buffer, BufferError, BufferFull
 from headrace.buffer.memory import MemoryBuffer
+from headrace.buffer.redis_stream import RedisBuffer
 from headrace.buffer.serialize import MalformedEntry, decode, encode
 
-__all__ = ["Buffer", "BufferError", "BufferFull", "MalformedEntry", "MemoryBuffer", "decode",
-           "encode"]
+__all__ = ["Buffer", "BufferError", "BufferFull", "MalformedEntry", "MemoryBuffer", "RedisBuffer",
+           "decode", "encode"]

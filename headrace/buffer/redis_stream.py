@@ -88,7 +88,9 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 local reserved, mine = 0, ARGV[5] .. ':'
 for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-  if string.sub(m, 1, #mine) ~= mine then
+  if string.sub(m, 1, #mine) == mine then
+    redis.call('ZREM', KEYS[2], m)  -- this call's own, from an attempt whose reply was lost
+  else
     reserved = reserved + tonumber(string.match(m, ':(%d+)$'))
   end
 end
@@ -223,6 +225,9 @@ class RedisBuffer(Buffer):
                 client, password=password or None, socket_timeout=socket_timeout_s,
                 socket_connect_timeout=min(5.0, socket_timeout_s), retry=Retry(NoBackoff(), 0))
         else:
+            if client.get_connection_kwargs().get("decode_responses"):
+                raise ValueError("the redis client must use decode_responses=False (payloads are "
+                                 "bytes)")
             self._where, self._client = repr(client), client
         self._block_ms_max = int(min(1.0, socket_timeout_s / 2) * 1000)
         prefix = f"headrace:{{{run_id}:{shard}}}"
@@ -235,6 +240,7 @@ class RedisBuffer(Buffer):
         self._lua = {name: self._client.register_script(src) for name, src in scripts.items()}
 
         self._lock = threading.Lock()
+        self._get_lock = threading.Lock()  # one get at a time per instance (cursor, claim clock)
         self._outstanding: set[EntryId] = set()  # handed out by this instance, not acknowledged
         self._own_cursor: str | None = "0-0"  # re-read own pending entries first (a restart)
         self._claim_every_s = min(claim_idle_s / 2, 1.0)
@@ -417,6 +423,14 @@ class RedisBuffer(Buffer):
             raise ValueError(f"max_groups={max_groups}: must be >= 1")
         start = time.perf_counter()
         deadline = time.monotonic() + timeout_s
+        if not self._get_lock.acquire(timeout=max(timeout_s, 0.0)):
+            return []
+        try:
+            return self._get(max_groups, start, deadline)
+        finally:
+            self._get_lock.release()
+
+    def _get(self, max_groups: int, start: float, deadline: float) -> list[Entry]:
         delay = 0.002
         while True:
             entries, progressed, last_id = self._get_once(max_groups)

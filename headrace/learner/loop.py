@@ -41,7 +41,8 @@ StepCallback = Callable[[int, int, dict[str, float]], None]  # (step, version, m
 
 class Learner:
     def __init__(self, config: Config, graphdef, params, buffer: Buffer, weights: WeightStore,
-                 metrics: Metrics, stop: threading.Event, on_step: StepCallback | None = None):
+                 metrics: Metrics, stop: threading.Event, on_step: StepCallback | None = None,
+                 allowed_v: np.ndarray | None = None):
         self.config = config
         self.buffer = buffer
         self.weights = weights
@@ -51,7 +52,8 @@ class Learner:
         lc = config.learner
         optimizer = make_optimizer(lc.optimizer)
         self.state = init_state(params, optimizer, lc.kl_coef)
-        self._train_step = make_train_step(graphdef, lc, config.sampling.temperature, optimizer)
+        self._train_step = make_train_step(graphdef, lc, config.sampling.temperature, optimizer,
+                                           allowed_v)
         self.gate = StalenessGate(config.staleness, metrics)
         self.batcher = Batcher(lc, config.shapes, metrics)
         self.step = 0

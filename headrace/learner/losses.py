@@ -13,11 +13,13 @@ import jax
 import jax.numpy as jnp
 
 from headrace.config import LossConfig
+from headrace.model.distribution import policy_logits
 
 
-def token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array, temperature: float):
-    """Log-prob of each target and the entropy, under softmax(logits / temperature)."""
-    logp_btv = jax.nn.log_softmax(logits_btv / temperature, axis=-1)
+def token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array, temperature: float,
+                   allowed_v: jax.Array | None = None):
+    """Log-prob of each target and the entropy under the policy distribution (`policy_logits`)."""
+    logp_btv = jax.nn.log_softmax(policy_logits(logits_btv, temperature, allowed_v), axis=-1)
     logp_bt = jnp.take_along_axis(logp_btv, targets_bt[..., None], axis=-1)[..., 0]
     entropy_bt = -jnp.sum(jnp.exp(logp_btv) * logp_btv, axis=-1)
     return logp_bt, entropy_bt

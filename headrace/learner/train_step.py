@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from headrace.config import LearnerConfig, OptimizerConfig
@@ -46,18 +47,23 @@ def init_state(params, optimizer: optax.GradientTransformation, kl_coef: float) 
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), ref)
 
 
-def _logprobs(graphdef, params, mb, temperature):
+def _logprobs(graphdef, params, mb, temperature, allowed_v):
     model = params_lib.merge(graphdef, params)
     logits_blv, _ = model(mb["tokens"], mb["positions"], segment_mask(mb["segment_ids"]))
-    return losses.token_logprobs(logits_blv[:, :-1], mb["tokens"][:, 1:], temperature)
+    return losses.token_logprobs(logits_blv[:, :-1], mb["tokens"][:, 1:], temperature, allowed_v)
 
 
-def make_loss_fn(graphdef, config: LearnerConfig, temperature: float) -> Callable:
-    """loss(params, minibatch, prox_logp, ref_params) -> (scalar, metrics) for one minibatch."""
+def make_loss_fn(graphdef, config: LearnerConfig, temperature: float,
+                 allowed_v: np.ndarray | None = None) -> Callable:
+    """loss(params, minibatch, prox_logp, ref_params) -> (scalar, metrics) for one minibatch.
+
+    `allowed_v` is the sampler's action constraint (bool[vocab]) when decoding is constrained: the
+    learner evaluates the same restricted distribution the actors sampled from.
+    """
     policy_loss = losses.LOSSES[config.loss.kind]
 
     def loss_fn(params, mb, prox_logp, ref_params):
-        logp, entropy = _logprobs(graphdef, params, mb, temperature)
+        logp, entropy = _logprobs(graphdef, params, mb, temperature, allowed_v)
         shifted = {k: mb[k][:, 1:] for k in ("behaviour_logprobs", "advantages", "weight")}
         weight = shifted["weight"]
         per_token, clipped = policy_loss(logp, shifted["behaviour_logprobs"],
@@ -68,7 +74,7 @@ def make_loss_fn(graphdef, config: LearnerConfig, temperature: float) -> Callabl
         metrics = {"loss/pg": pg_loss, "loss/entropy": entropy_mean,
                    "is/clipped_frac": jnp.sum(clipped * weight)}
         if ref_params is not None:
-            ref_logp, _ = _logprobs(graphdef, ref_params, mb, temperature)
+            ref_logp, _ = _logprobs(graphdef, ref_params, mb, temperature, allowed_v)
             kl = jnp.sum(losses.kl_to_reference(logp, jax.lax.stop_gradient(ref_logp)) * weight)
             total = total + config.kl_coef * kl
             metrics["loss/kl"] = kl
@@ -80,15 +86,16 @@ def make_loss_fn(graphdef, config: LearnerConfig, temperature: float) -> Callabl
 
 
 def make_train_step(graphdef, config: LearnerConfig, temperature: float,
-                    optimizer: optax.GradientTransformation) -> Callable:
+                    optimizer: optax.GradientTransformation,
+                    allowed_v: np.ndarray | None = None) -> Callable:
     """The jitted step. Donates the old state (its buffers are reused for the new one)."""
-    loss_fn = make_loss_fn(graphdef, config, temperature)
+    loss_fn = make_loss_fn(graphdef, config, temperature, allowed_v)
     decoupled = config.loss.kind == "decoupled"
 
     def train_step(state: TrainState, batch: dict[str, jax.Array]):
         if decoupled:  # proximal policy: the weights at the start of this step
             prox_mrl = jax.lax.map(
-                lambda mb: _logprobs(graphdef, state.params, mb, temperature)[0], batch)
+                lambda mb: _logprobs(graphdef, state.params, mb, temperature, allowed_v)[0], batch)
         else:
             prox_mrl = jnp.zeros(batch["tokens"][:, :, 1:].shape, jnp.float32)
 

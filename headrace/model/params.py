@@ -7,6 +7,7 @@ flat `{"layers.0.attn.q.kernel": ndarray}` mapping.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -18,13 +19,19 @@ from headrace.model.transformer import ModelDims, Transformer, build_model
 Params = dict[str, Any]
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_params(dims: ModelDims, seed: int) -> Params:
+    return nnx.to_pure_dict(nnx.split(build_model(dims, seed))[1])
+
+
 def init(dims: ModelDims, seed: int) -> tuple[nnx.GraphDef, Params]:
-    graphdef, state = nnx.split(build_model(dims, seed))
-    return graphdef, state.to_pure_dict()
+    """Graph definition and freshly initialised params (one compiled program, not one per array)."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(dims, seed)))
+    return graphdef, _init_params(dims, seed)
 
 
 def merge(graphdef: nnx.GraphDef, params: Params) -> Transformer:
-    return nnx.merge(graphdef, nnx.State(params))
+    return nnx.merge(graphdef, params)
 
 
 def flatten(params: Params, prefix: str = "") -> dict[str, Any]:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from headrace.model import params as params_lib
+from headrace.model.distribution import policy_logits
 from headrace.shapes import batch_ladder, bucket_for
 
 
@@ -42,13 +43,21 @@ class SamplerSettings:
     stop_ids: tuple[int, ...] = ()
     allowed_ids: tuple[int, ...] | None = None  # constrain decoding to these tokens (None: any)
 
+    def allowed_mask(self, vocab_size: int) -> np.ndarray | None:
+        """bool[vocab] of the tokens the policy may emit, or None when decoding is unconstrained."""
+        if self.allowed_ids is None:
+            return None
+        mask = np.zeros(vocab_size, bool)
+        mask[list(self.allowed_ids)] = True
+        return mask
+
 
 def _choose(logits_bv, rng, temperature, top_p, allowed_v, *, top_k: int, use_top_p: bool,
             greedy: bool):
     """Picks one token per row; returns it and its log-prob under the untruncated distribution."""
-    scaled_bv = logits_bv / temperature
-    logp_full_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
-    choice_bv = jnp.where(allowed_v[None, :], scaled_bv, -jnp.inf)
+    policy_bv = policy_logits(logits_bv, temperature, allowed_v)
+    logp_full_bv = jax.nn.log_softmax(policy_bv, axis=-1)
+    choice_bv = jnp.where(allowed_v[None, :], policy_bv, -jnp.inf)
     if top_k:
         kth_b = jax.lax.top_k(choice_bv, top_k)[0][:, -1]
         choice_bv = jnp.where(choice_bv >= kth_b[:, None], choice_bv, -jnp.inf)
@@ -70,14 +79,21 @@ def _generate(graphdef, params, tokens_bp, valid_bp, rng, temperature, top_p, al
               pad_id, *, max_new: int, top_k: int, use_top_p: bool, greedy: bool):
     model = params_lib.merge(graphdef, params)
     b, p = tokens_bp.shape
+    choose = functools.partial(_choose, top_k=top_k, use_top_p=use_top_p, greedy=greedy)
+    positions_bp = jnp.maximum(jnp.cumsum(valid_bp, axis=1) - 1, 0)
+    causal_qk = jnp.arange(p)[None, :] <= jnp.arange(p)[:, None]
+    if max_new == 1:  # one token per turn: a plain forward, no cache to write
+        logits_bpv, _ = model(tokens_bp, positions_bp, valid_bp[:, None, :] & causal_qk[None])
+        rng, sub = jax.random.split(rng)
+        token_b, logp_b = choose(logits_bpv[:, -1], sub, temperature, top_p, allowed_v)
+        return token_b[:, None], logp_b[:, None], jnp.ones((b,), jnp.int32), rng
+
     slots = p + max_new
     slot_s = jnp.arange(slots)
-    positions_bp = jnp.maximum(jnp.cumsum(valid_bp, axis=1) - 1, 0)
     key_valid_bs = jnp.concatenate([valid_bp, jnp.zeros((b, max_new), bool)], axis=1)
     prefill_mask_bqk = key_valid_bs[:, None, :] & (slot_s[None, None, :] <= jnp.arange(p)[None, :, None])
     logits_bpv, cache = model(tokens_bp, positions_bp, prefill_mask_bqk,
                               model.init_cache(b, slots), 0)
-    choose = functools.partial(_choose, top_k=top_k, use_top_p=use_top_p, greedy=greedy)
     next_pos_b = positions_bp[:, -1] + 1
 
     def step(carry, t):
@@ -122,14 +138,15 @@ class Sampler:
         self._params = None
         self.version = -1
         self._rng = jax.random.key(seed)
-        allowed = np.zeros(vocab_size, bool)
-        if settings.allowed_ids is None:
-            allowed[:] = True
-        else:
-            allowed[list(settings.allowed_ids)] = True
-            allowed[list(settings.stop_ids)] = True
+        # Constrained decoding picks one action word (one token each) per turn, so each allowed
+        # token also ends the turn; unconstrained decoding ends at a stop token.
         stop = np.zeros(vocab_size, bool)
         stop[list(settings.stop_ids)] = True
+        allowed = settings.allowed_mask(vocab_size)
+        if allowed is None:
+            allowed = np.ones(vocab_size, bool)
+        else:
+            stop |= allowed
         self._allowed_v = jnp.asarray(allowed)
         self._stop_v = jnp.asarray(stop)
         self._fns = {}

@@ -112,7 +112,8 @@ def train(config: Config, *, live: bool = True, t0: float | None = None) -> dict
         if eval_every and step % eval_every == 0:
             evaluator.requests.put((step, version))
 
-    learner = Learner(config, graphdef, params, buffer, weights, metrics, stop, on_step)
+    learner = Learner(config, graphdef, params, buffer, weights, metrics, stop, on_step,
+                      task.sampler_settings.allowed_mask(task.dims.vocab_size))
     learner.publish()  # version 0, before any actor starts
     workers = [Worker("learner", learner.run, stop),
                Worker("evaluator", lambda: evaluator.run(stop), stop)]

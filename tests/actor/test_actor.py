@@ -1,0 +1,69 @@
+"""The actor survives environment errors and timeouts, counts them, and keeps producing groups."""
+
+import threading
+import time
+
+import pytest
+
+from headrace.actor.actor import Actor
+from headrace.buffer.memory import MemoryBuffer
+from headrace.config import load
+from headrace.metrics.core import Metrics
+from headrace.model import params as params_lib
+from headrace.runtime import build
+from headrace.types import STATUS_ERROR, STATUS_OK
+from headrace.weights.memory import MemoryWeightStore
+
+
+@pytest.mark.timeout(120)
+def test_errors_and_timeouts_end_episodes_not_the_actor():
+    config = load(data={
+        "env": {"name": "tests.actor.fakes:FlakyEnv", "step_timeout_s": 0.3},
+        "actor": {"envs_per_actor": 8, "group_size": 2, "max_batch": 8},
+        "sampling": {"max_new_tokens": 1}, "shapes": {"buckets": [8]}, "model": {"max_len": 8}})
+    task = build.build_task(config)
+    graphdef, params = build.init_params(config, task)
+    weights = MemoryWeightStore(2)
+    weights.publish(params_lib.to_host(params), 0)
+    buffer = MemoryBuffer(capacity=1000)
+    metrics, stop = Metrics(), threading.Event()
+    actor = Actor(config, "a0", task.make_env, task.tokenizer,
+                  build.make_sampler(config, task, graphdef, seed=0), buffer, weights, metrics, stop)
+    thread = threading.Thread(target=actor.run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 90
+        while buffer.depth() < 9 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+    entries = buffer.get(100, timeout_s=1)
+    assert len(entries) >= 9
+    by_seed = {}
+    for entry in entries:
+        seed = int(entry.group.task_id.split("/")[1])
+        by_seed[seed % 3] = [t.status for t in entry.group.trajectories]
+        for t in entry.group.trajectories:
+            t.validate()
+            if t.status == STATUS_ERROR:
+                assert ("tool crashed" in t.error) == (seed % 3 == 0)
+    assert by_seed[0] == [STATUS_ERROR] * 2
+    assert by_seed[1] == [STATUS_ERROR] * 2
+    assert by_seed[2] == [STATUS_OK] * 2
+    snapshot = metrics.snapshot()
+    assert snapshot["env/errors"] >= 2
+    assert snapshot["env/timeouts"] >= 2
+
+
+def test_invalid_action_ends_episode_with_zero_reward():
+    from headrace.env.guess_number import GuessNumber
+
+    env = GuessNumber(n=8, max_turns=3)
+    env.reset(0)
+    obs, reward, terminated, truncated, info = env.step("start")
+    assert terminated and reward == 0.0 and info["invalid_action"]
+    env.reset(0)
+    obs, reward, terminated, truncated, info = env.step("99")
+    assert terminated and reward == 0.0 and info["invalid_action"]

@@ -1,0 +1,70 @@
+"""Config loading: types, ranges and unknown keys give one clear line; the CLI exits 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from headrace.config import Config, ConfigError, load
+
+
+def test_defaults_are_valid():
+    config = load(data={})
+    assert isinstance(config, Config)
+    assert config.model.d_model == 64
+
+
+def test_example_loads_with_overrides():
+    config = load("examples/guess_number.yaml", ["learner.optimizer.lr=3e-4", "actor.group_size=4"])
+    assert config.learner.optimizer.lr == pytest.approx(3e-4)
+    assert config.actor.group_size == 4
+
+
+@pytest.mark.parametrize("override, message", [
+    ("learner.groups_per_batch=0", "learner.groups_per_batch=0: must be >= 1"),
+    ("learner.loss.kind=magic", "learner.loss.kind='magic': one of none, truncated_is"),
+    ("actor.envs_per_actor=10", "actor.envs_per_actor=10: must be a multiple of actor.group_size=8"),
+    ("model.d_model=hello", "model.d_model='hello': must be an integer"),
+    ("sampling.temperature=0", "sampling.temperature=0.0: must be > 0"),
+    ("learner.frobnicate=1", "learner.frobnicate: unknown key"),
+    ("nosection.key=1", "nosection: unknown key"),
+    ("run.launcher=ray", "run.launcher='ray': the Ray launcher is planned"),
+    ("shapes.buckets=[64, 32]", "shapes.buckets=(64, 32): must be strictly increasing"),
+    ("staleness.forced_lag=9", "staleness.forced_lag=9: must be in [0, staleness.max_policy_lag=4]"),
+])
+def test_bad_values_name_key_value_and_allowed(override, message):
+    with pytest.raises(ConfigError) as error:
+        load(data={}, overrides=[override])
+    assert message in str(error.value)
+
+
+def test_bad_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML at line"):
+        load(path)
+    with pytest.raises(ConfigError, match="no such config file"):
+        load(tmp_path / "missing.yaml")
+
+
+@pytest.mark.timeout(120)
+def test_cli_bad_config_exits_2_with_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "headrace.cli", "train", "examples/guess_number.yaml",
+         "--set", "learner.minibatches=3", "--json"],
+        capture_output=True, text=True, timeout=100)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "learner.minibatches=3: must divide learner.groups_per_batch=64" in lines[0]
+
+
+@pytest.mark.timeout(120)
+def test_cli_unknown_env_exits_2():
+    result = subprocess.run(
+        [sys.executable, "-m", "headrace.cli", "train", "examples/guess_number.yaml",
+         "--set", "env.name=nosuch.module:Env"], capture_output=True, text=True, timeout=100)
+    assert result.returncode == 2
+    assert "env.name='nosuch.module:Env': cannot import nosuch.module" in result.stderr
+    assert "Traceback" not in result.stderr

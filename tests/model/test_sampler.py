@@ -1,0 +1,86 @@
+"""The sampler's log-probs are the learner's: equal to a full forward pass at the same temperature."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from headrace.metrics import compiles
+from headrace.model import params as params_lib
+from headrace.model.sampler import PromptTooLong, Sampler, SamplerSettings
+from headrace.model.transformer import ModelDims, segment_mask
+
+DIMS = ModelDims(vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+
+
+def full_forward_logprobs(graphdef, params, context, generated, temperature, allowed=None):
+    """Reference: one forward pass over context + generated, the policy distribution per token."""
+    model = params_lib.merge(graphdef, params)
+    tokens = jnp.asarray(np.concatenate([context, generated]))[None]
+    positions = jnp.arange(tokens.shape[1])[None]
+    logits, _ = model(tokens, positions, segment_mask(jnp.ones_like(tokens)))
+    scaled = logits[0] / temperature
+    if allowed is not None:  # constrained decoding: the policy is restricted to the actions
+        keep = np.zeros(DIMS.vocab_size, bool)
+        keep[list(allowed)] = True
+        scaled = jnp.where(keep, scaled, -jnp.inf)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    return np.array([logp[len(context) - 1 + i, t] for i, t in enumerate(generated)])
+
+
+@pytest.mark.parametrize("max_new, top_k, top_p, allowed", [
+    (6, 0, 1.0, None), (1, 0, 1.0, None), (4, 5, 0.8, tuple(range(10, 30)))])
+def test_logprobs_match_full_forward(max_new, top_k, top_p, allowed):
+    graphdef, params = params_lib.init(DIMS, seed=3)
+    settings = SamplerSettings(temperature=0.7, top_k=top_k, top_p=top_p, max_new_tokens=max_new,
+                               stop_ids=(2,), allowed_ids=allowed)
+    sampler = Sampler(graphdef, settings, DIMS.vocab_size, buckets=(16, 32), max_batch=8, seed=0)
+    sampler.set_params(params, version=5)
+    rng = np.random.default_rng(0)
+    contexts = [rng.integers(3, 40, n).astype(np.int32) for n in (1, 4, 9, 17)]
+    tokens, logps, version = sampler.generate(contexts)
+    assert version == 5
+    for context, t, lp in zip(contexts, tokens, logps):
+        assert 1 <= len(t) <= max_new
+        if allowed is not None:  # one action word per turn
+            assert len(t) == 1 and int(t[0]) in allowed
+        assert (t[:-1] != 2).all(), "generation continues past a stop token"
+        ref = full_forward_logprobs(graphdef, params, context, t, 0.7, allowed)
+        np.testing.assert_allclose(lp, ref, atol=1e-5)
+
+
+def test_greedy_is_argmax_and_deterministic():
+    graphdef, params = params_lib.init(DIMS, seed=1)
+    settings = SamplerSettings(temperature=1.0, max_new_tokens=1)
+    sampler = Sampler(graphdef, settings, DIMS.vocab_size, buckets=(8,), max_batch=8)
+    sampler.set_params(params, 0)
+    context = np.array([1, 5, 7], np.int32)
+    a, _, _ = sampler.generate([context], greedy=True)
+    b, _, _ = sampler.generate([context], greedy=True)
+    model = params_lib.merge(graphdef, params)
+    tokens = jnp.asarray(context)[None]
+    logits, _ = model(tokens, jnp.arange(3)[None], segment_mask(jnp.ones_like(tokens)))
+    assert a[0][0] == b[0][0] == int(jnp.argmax(logits[0, -1]))
+
+
+def test_too_long_context_is_refused():
+    graphdef, params = params_lib.init(DIMS, seed=1)
+    sampler = Sampler(graphdef, SamplerSettings(max_new_tokens=4), DIMS.vocab_size, (8, 16), 8)
+    sampler.set_params(params, 0)
+    with pytest.raises(PromptTooLong, match="does not fit the largest bucket 16"):
+        sampler.generate([np.ones(13, np.int32)])
+
+
+def test_no_recompilation_across_prompt_lengths():
+    compiles.install()
+    graphdef, params = params_lib.init(DIMS, seed=2)
+    sampler = Sampler(graphdef, SamplerSettings(max_new_tokens=2), DIMS.vocab_size,
+                      buckets=(8, 16, 32), max_batch=32)
+    sampler.set_params(params, 0)
+    rng = np.random.default_rng(1)
+    before = compiles.compiles("_generate")
+    for n in range(1, 31):
+        rows = int(rng.integers(1, 33))
+        sampler.generate([rng.integers(3, 40, n).astype(np.int32) for _ in range(rows)])
+    # At most |batch ladder| x |buckets| programs, however many lengths and row counts arrive.
+    assert compiles.compiles("_generate") - before <= len(sampler.batch_sizes) * 3
