@@ -1,13 +1,25 @@
 """The shape policy shared by the sampler and the batcher (JAX-free).
 
-Every array the accelerator sees has a shape drawn from a finite set: sequence lengths come from the
-bucket ladder (`shapes.buckets`), batch rows from a ladder of powers of two, so XLA compiles a
-bounded number of programs.
+Every array the accelerator sees has a shape drawn from a finite set, so XLA compiles a bounded
+number of programs:
+
+- sequence lengths come from the bucket ladder (`shapes.buckets`, default powers of two 32..4096);
+- the sampler's batch rows come from `batch_ladder` (a coarse ladder of row counts);
+- the learner's microbatches have shape `ShapePolicy.shape(bucket)`: with a token budget,
+  `rows = token_budget // bucket` (at least 1), so every microbatch holds about the same number of
+  token slots and memory stays flat across buckets; `shapes.rows_per_bucket` fixes the rows
+  instead. Without either, a minibatch is one microbatch whose rows are rounded up to a power of
+  two (`rows_for_count`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from headrace.config import LearnerConfig, ShapesConfig
 
 
 class TooLong(ValueError):
@@ -37,3 +49,80 @@ def batch_ladder(max_batch: int, smallest: int = 8, factor: int = 4) -> tuple[in
     if sizes[-1] > smallest:
         sizes.append(min(smallest, max_batch))
     return tuple(sorted(set(sizes)))
+
+
+def rows_for_count(count: int) -> int:
+    """The power of two >= `count` (>= 1): the row ladder used when no row count is fixed."""
+    return 1 << max(int(count) - 1, 0).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapePolicy:
+    """Which (rows, bucket) shapes a learner microbatch may have.
+
+    With `token_budget` or `rows_per_bucket` set ("fixed rows") there is exactly one shape per
+    bucket, so a learner compiles at most `len(buckets)` train-step programs. Without them a
+    minibatch is one microbatch of `rows_for_count(rows needed)` rows: at most
+    `len(buckets) * (log2(max rows) + 1)` shapes.
+
+    Raises:
+      ValueError: buckets empty, not strictly increasing or below 1; a negative budget or row count.
+    """
+
+    buckets: tuple[int, ...]
+    token_budget: int = 0  # token slots per microbatch (0: no budget)
+    rows_per_bucket: int = 0  # rows of every microbatch, whatever its bucket (0: from the budget)
+
+    def __post_init__(self):
+        buckets = tuple(int(b) for b in self.buckets)
+        if not buckets or buckets[0] < 1 or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"buckets {self.buckets}: need a non-empty, strictly increasing "
+                             "list of lengths >= 1")
+        if self.token_budget < 0 or self.rows_per_bucket < 0:
+            raise ValueError(f"token_budget={self.token_budget}, rows_per_bucket="
+                             f"{self.rows_per_bucket}: must be >= 0")
+        object.__setattr__(self, "buckets", buckets)
+
+    @classmethod
+    def from_config(cls, shapes: ShapesConfig, learner: LearnerConfig) -> ShapePolicy:
+        return cls(tuple(shapes.buckets), learner.token_budget, shapes.rows_per_bucket)
+
+    @property
+    def longest(self) -> int:
+        return self.buckets[-1]
+
+    @property
+    def fixed_rows(self) -> bool:
+        """True when each bucket has one row count (a token budget or `rows_per_bucket`)."""
+        return bool(self.rows_per_bucket or self.token_budget)
+
+    def bucket_for(self, length: int) -> int:
+        """The smallest bucket holding `length`. Raises `TooLong` past the largest."""
+        return bucket_for(length, self.buckets)
+
+    def rows(self, bucket: int) -> int:
+        """Rows of a microbatch of `bucket`: `rows_per_bucket`, else `token_budget // bucket`
+        (at least 1, so a bucket longer than the budget still gets one row).
+
+        Raises:
+          ValueError: the policy has no fixed rows, or `bucket` is not on the ladder.
+        """
+        if bucket not in self.buckets:
+            raise ValueError(f"{bucket} is not a bucket of {self.buckets}")
+        if self.rows_per_bucket:
+            return self.rows_per_bucket
+        if self.token_budget:
+            return max(1, self.token_budget // bucket)
+        raise ValueError("no fixed rows: set learner.token_budget or shapes.rows_per_bucket")
+
+    def shape(self, bucket: int) -> tuple[int, int]:
+        """(rows, bucket) of a microbatch of `bucket` (fixed rows only)."""
+        return self.rows(bucket), bucket
+
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """Every microbatch shape of a fixed-rows policy, smallest bucket first.
+
+        Raises:
+          ValueError: the policy has no fixed rows (its row counts follow the data).
+        """
+        return tuple(self.shape(b) for b in self.buckets)

@@ -9,6 +9,7 @@ Arrays are NumPy (never JAX): these records cross process boundaries and are ser
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -64,7 +65,7 @@ class Trajectory:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-    @property
+    @functools.cached_property
     def oldest_version(self) -> int:
         """Oldest weights version that generated any token; -1 when no token was generated."""
         generated = self.policy_version[self.loss_mask]
@@ -84,7 +85,9 @@ class Trajectory:
         if self.status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
         for turn in self.turns:
-            if not 0 <= turn.start <= turn.end <= n or turn.role not in ROLES:
+            if not (isinstance(turn.start, int) and isinstance(turn.end, int)
+                    and isinstance(turn.reward, (int, float)) and 0 <= turn.start <= turn.end <= n
+                    and turn.role in ROLES):
                 raise ValueError(f"turn {turn} does not fit a trajectory of {n} tokens")
 
 

@@ -1,12 +1,22 @@
 """Shared fixtures: a real local redis-server, unique run ids, small groups.
 
-Redis fixtures skip (with the reason) when no redis-server binary exists; every server they start
+Also sets the process-wide JAX environment for the suite. Redis fixtures skip (with the reason) when no redis-server binary exists; every server they start
 is stopped in a `finally`, so no test leaves a process behind.
 """
 
 from __future__ import annotations
 
+import os
+import pathlib
 import uuid
+
+# Before JAX is imported anywhere: 8 simulated CPU devices, and one compilation cache shared by
+# every test process (subprocesses inherit these variables).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      str(pathlib.Path(__file__).resolve().parent.parent / ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import numpy as np
 import pytest

@@ -38,11 +38,11 @@ MAX_THREADS = 512  # blocking environment steps in flight per actor at most
 PUT_SLICE_S = 0.25  # longest a put blocks before the stop event is checked again
 
 
-def to_trajectory(result: EpisodeResult, *, group_id: str, task_id: str, env_name: str,
-                  actor_id: str, sampling: dict) -> Trajectory:
+def to_trajectory(result: EpisodeResult, *, trajectory_id: str, group_id: str, task_id: str,
+                  env_name: str, actor_id: str, sampling: dict) -> Trajectory:
     tokens, mask, logps, versions = result.builder.arrays()
     return Trajectory(
-        trajectory_id=uuid.uuid4().hex, group_id=group_id, task_id=task_id, env=env_name,
+        trajectory_id=trajectory_id, group_id=group_id, task_id=task_id, env=env_name,
         actor_id=actor_id, tokens=tokens, loss_mask=mask, behaviour_logprobs=logps,
         policy_version=versions, turns=result.builder.turns, reward=float(result.reward),
         status=result.status, error=result.error, timings=result.timings, sampling=sampling)
@@ -63,6 +63,8 @@ class Actor:
         self.stop = stop
         base = (config.run.seed * 1_000_003 + hash(actor_id) % 1_000_003) * 1_000_000
         self._task_seeds = itertools.count(base)
+        self._id_prefix = uuid.uuid4().hex[:16]  # ids stay unique across actor restarts
+        self._group_numbers = itertools.count()
         self._sampling = {"temperature": config.sampling.temperature,
                           "top_k": config.sampling.top_k, "top_p": config.sampling.top_p}
         self._blocked_s = 0.0
@@ -105,14 +107,15 @@ class Actor:
         while not self.stop.is_set():
             seed = next(self._task_seeds)
             task_id = f"{env_cfg.name}/{seed}"
-            group_id = uuid.uuid4().hex
+            group_id = f"{self._id_prefix}-{next(self._group_numbers)}"
             self.metrics.gauge("actor/in_flight", policy.live)
             results = await asyncio.gather(*[
                 run_episode(env, seed, policy, self.tokenizer, self.metrics, env_cfg.step_timeout_s)
                 for env in envs])
             group = Group(group_id, task_id, [
-                to_trajectory(r, group_id=group_id, task_id=task_id, env_name=env_cfg.name,
-                              actor_id=self.actor_id, sampling=self._sampling) for r in results])
+                to_trajectory(r, trajectory_id=f"{group_id}.{j}", group_id=group_id,
+                              task_id=task_id, env_name=env_cfg.name, actor_id=self.actor_id,
+                              sampling=self._sampling) for j, r in enumerate(results)])
             self._record(results)
             with policy.stepping_away():
                 await self._put(group)
@@ -120,10 +123,9 @@ class Actor:
     def _record(self, results: list[EpisodeResult]) -> None:
         m = self.metrics
         m.count("actor/episodes", len(results))
-        for r in results:
-            m.average("reward/mean", r.reward)
-            m.average("reward/success_rate", float(r.success))
-            m.average("episode/length_mean", r.builder.length)
+        m.average_many("reward/mean", [r.reward for r in results])
+        m.average_many("reward/success_rate", [float(r.success) for r in results])
+        m.average_many("episode/length_mean", [r.builder.length for r in results])
 
     async def _put(self, group: Group) -> None:
         """Writes the group, waiting out backpressure in short slices so a stop is never held up.

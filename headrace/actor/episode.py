@@ -47,6 +47,7 @@ async def run_episode(env: Env, seed: int, policy: BatchedPolicy, tokenizer: Tok
     builder = EpisodeBuilder()
     timings = {"started": time.time()}
     reward, success, status, error = 0.0, False, STATUS_OK, None
+    inline = not env.blocking and not env.has_astep
     with policy.episode():
         try:
             obs, _ = await asyncio.to_thread(env.reset, seed) if env.blocking else env.reset(seed)
@@ -55,9 +56,13 @@ async def run_episode(env: Env, seed: int, policy: BatchedPolicy, tokenizer: Tok
                 tokens, logps, version = await policy.act(builder.context())
                 builder.add_generated(tokens, logps, version)
                 start = time.perf_counter()
-                with policy.stepping_away():
-                    obs, r, terminated, truncated, info = await asyncio.wait_for(
-                        _step(env, tokenizer.decode(tokens)), step_timeout_s)
+                action = tokenizer.decode(tokens)
+                if inline:  # microseconds of pure Python: nothing to wait for or time out
+                    obs, r, terminated, truncated, info = env.step(action)
+                else:
+                    with policy.stepping_away():
+                        obs, r, terminated, truncated, info = await asyncio.wait_for(
+                            _step(env, action), step_timeout_s)
                 metrics.observe("actor/env_s", time.perf_counter() - start)
                 reward += r
                 builder.reward_last_turn(r)

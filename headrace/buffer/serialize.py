@@ -8,6 +8,7 @@ Layout: a map `{"v": SCHEMA_VERSION, "group": {...}, "trajectories": [...]}` whe
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import msgpack
@@ -32,8 +33,10 @@ def _decode_array(raw: Any, dtype: str) -> np.ndarray:
             and isinstance(raw[2], bytes)):
         raise MalformedEntry(f"expected a {dtype} array record")
     shape = tuple(raw[1])
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise MalformedEntry(f"bad array shape {shape!r}")
     array = np.frombuffer(raw[2], dtype=dtype)
-    if array.size != int(np.prod(shape)):
+    if array.size != math.prod(shape):
         raise MalformedEntry(f"array of {array.size} items does not fill shape {shape}")
     return array.reshape(shape).astype(np.dtype(dtype).newbyteorder("="), copy=False)
 
@@ -53,9 +56,8 @@ def _decode_trajectory(record: Any) -> Trajectory:
         fields = dict(record)
         for name, dtype in _ARRAYS.items():
             fields[name] = _decode_array(fields[name], dtype)
-        fields["turns"] = [Turn(int(s), int(e), str(r), float(w)) for s, e, r, w in fields["turns"]]
+        fields["turns"] = [Turn(*turn) for turn in fields["turns"]]  # types checked by validate
         trajectory = Trajectory(**fields)
-        trajectory.validate()
     except MalformedEntry:
         raise
     except (KeyError, TypeError, ValueError) as error:

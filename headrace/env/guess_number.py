@@ -7,12 +7,12 @@ uniform random policy succeeds about 16 % of the time at N=32, T=5; bisection wi
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 from headrace.env.base import Env, EnvError, EnvSpec, StepResult
 
 OBSERVATIONS = ("start", "higher", "lower", "correct")
+_MASK64 = (1 << 64) - 1
 
 
 class GuessNumber(Env):
@@ -33,7 +33,11 @@ class GuessNumber(Env):
         self._turns = 0
 
     def secret_for(self, seed: int) -> int:
-        return random.Random(seed).randint(1, self.n)
+        """The task's secret: a fixed, well-mixed function of the seed (splitmix64)."""
+        z = (seed + 0x9E3779B97F4A7C15) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return (z ^ (z >> 31)) % self.n + 1
 
     def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
         self._secret = self.secret_for(seed)

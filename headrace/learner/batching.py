@@ -1,96 +1,299 @@
-"""From groups to fixed-shape training batches (host side, NumPy).
+"""From groups to fixed-shape microbatches (host side, NumPy), and a prefetcher that runs ahead.
 
-One learner step consumes `groups_per_batch` groups as `minibatches` optimizer updates: the batch
-arrays have shape [M, R, L] with M minibatches of R rows, L a bucket of the length ladder, so the
-train step compiles once per bucket. Each row holds one trajectory (segment id 1, positions from 0)
-padded with segment 0. Per-token `weight` carries the loss aggregation, normalised per minibatch:
-`token_mean` gives every loss token of the minibatch the same weight, `sequence_mean` every
-trajectory.
+One learner step consumes its groups as `learner.minibatches` optimizer updates: the groups are
+split in order into that many minibatches, and each minibatch is packed (`packing.py`) into one or
+more microbatches of shapes from the policy (`headrace.shapes.ShapePolicy`). The train step sums the
+microbatches' gradients and applies one update per minibatch.
 
-Trajectories longer than the largest bucket are truncated (status truncated, `batch/truncated`) or,
-with `shapes.overlong: reject`, left out of the loss (`batch/rejected`); trajectories with status
-error stay out of the loss and out of their group's baseline.
+Per token each microbatch carries `tokens`, `positions` (restarting at 0 per segment),
+`segment_ids` (1, 2, ... per row; 0 is padding), `loss_mask`, `behaviour_logprobs`, `advantages`
+(the trajectory's), `policy_version` and `weight`. `weight` is the loss aggregation, normalised over
+the whole minibatch (all its microbatches), so summed microbatch gradients equal the minibatch
+gradient exactly: `token_mean` gives every loss token of the minibatch the same weight,
+`sequence_mean` every trajectory with loss tokens the same total weight.
+
+What is left out of packing (so it costs no slots):
+- status `error` trajectories: out of the loss and out of their group's baseline;
+- trajectories without a trainable token: the first token of a segment is never trained (nothing
+  precedes it in its segment), so a loss mask only on token 0 counts as none;
+- with `shapes.overlong: reject`, trajectories longer than the largest bucket (`batch/rejected`);
+  they stay in their group's baseline. With `truncate` (default) they are cut to the largest bucket
+  and trained as status truncated (`batch/truncated`); the input groups are not modified.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from headrace.config import LearnerConfig, ShapesConfig
+from headrace.learner import packing
 from headrace.learner.advantages import group_advantages
 from headrace.metrics.core import Metrics
-from headrace.shapes import bucket_for
-from headrace.types import STATUS_ERROR, Group
+from headrace.shapes import ShapePolicy
+from headrace.types import STATUS_ERROR, Group, Trajectory
 
-FIELDS = ("tokens", "positions", "segment_ids", "loss_mask", "behaviour_logprobs", "advantages",
-          "weight")
+FIELDS = {"tokens": np.int32, "positions": np.int32, "segment_ids": np.int32,
+          "loss_mask": np.float32, "behaviour_logprobs": np.float32, "advantages": np.float32,
+          "policy_version": np.int32, "weight": np.float32}
+TRAIN_FIELDS = ("tokens", "positions", "segment_ids", "behaviour_logprobs", "advantages", "weight")
+
+
+@dataclasses.dataclass
+class Microbatch:
+    """Arrays of shape [rows, width] (see FIELDS); `last`: the minibatch's update follows it."""
+
+    arrays: dict[str, Any]
+    minibatch: int
+    last: bool
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.arrays["tokens"].shape)
 
 
 @dataclasses.dataclass
 class Batch:
-    arrays: dict[str, np.ndarray]  # each [M, R, L]
-    real_tokens: int
-    loss_tokens: int
-    lags_gen: list[int] = dataclasses.field(default_factory=list)
+    """One learner step: microbatches in order, minibatch by minibatch."""
+
+    microbatches: list[Microbatch]
+    updates: int  # minibatches with at least one microbatch (optimizer updates this step)
+    real_tokens: int  # tokens placed (after truncation)
+    loss_tokens: int  # tokens with weight > 0
+    slots: int  # token slots over all microbatches (real + padding)
+    trajectories: int  # trajectories placed
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return self.arrays["tokens"].shape
+    def packing_efficiency(self) -> float:
+        return self.real_tokens / self.slots if self.slots else 1.0
+
+    @property
+    def shapes(self) -> set[tuple[int, int]]:
+        return {mb.shape for mb in self.microbatches}
+
+
+@dataclasses.dataclass
+class _Item:
+    trajectory: Trajectory
+    length: int
+    advantage: float
+    mask: np.ndarray  # bool[length], trainable loss tokens (token 0 excluded)
 
 
 class Batcher:
-    def __init__(self, learner: LearnerConfig, shapes: ShapesConfig, metrics: Metrics):
+    """Builds `Batch`es from groups. Not thread-safe; one builder thread at a time.
+
+    `layout` picks the packing (`packing.LAYOUTS`): `bucketed` for training; the baselines exist
+    for the packing benchmark, which must drive this same code path.
+    """
+
+    def __init__(self, learner: LearnerConfig, shapes: ShapesConfig, metrics: Metrics,
+                 layout: str = "bucketed"):
+        if layout not in packing.LAYOUTS:
+            raise ValueError(f"layout {layout!r}: one of {', '.join(packing.LAYOUTS)}")
         self.learner = learner
         self.shapes = shapes
         self.metrics = metrics
+        self.layout = layout
+        self.policy = ShapePolicy.from_config(shapes, learner)
+        self._positions = np.arange(self.policy.longest, dtype=np.int32)
 
-    def build(self, groups: list[Group]) -> Batch:
+    def build(self, groups: Sequence[Group]) -> Batch:
+        """Packs the step's groups into microbatches (counts batch/truncated and batch/rejected;
+        gauges batch/packing_efficiency). Never raises for lengths: over-long ones are handled."""
+        splits = np.array_split(np.arange(len(groups)), min(self.learner.minibatches,
+                                                            max(len(groups), 1)))
+        minibatches = [self._items([groups[i] for i in split]) for split in splits]
+        plans = packing.plan_step([[it.length for it in items] for items in minibatches],
+                                  self.policy, self.layout)
+        out: list[Microbatch] = []
+        updates = real = loss = slots = placed = 0
+        for index, (items, mb_plans) in enumerate(zip(minibatches, plans)):
+            weights = self._weights(items)
+            for k, plan in enumerate(mb_plans):
+                out.append(Microbatch(self._fill(plan, items, weights), index,
+                                      last=k == len(mb_plans) - 1))
+                slots += plan.slots
+            updates += bool(mb_plans)
+            real += sum(it.length for it in items)
+            loss += sum(int(it.mask.sum()) for it in items)
+            placed += len(items)
+        batch = Batch(out, updates, real, loss, slots, placed)
+        self.metrics.gauge("batch/packing_efficiency", batch.packing_efficiency)
+        self.metrics.gauge("batch/microbatches", len(out))
+        return batch
+
+    def _items(self, groups: Sequence[Group]) -> list[_Item]:
         cfg = self.learner
-        trajectories, advantages, use = [], [], []
+        longest = self.policy.longest
+        items = []
+        truncated = rejected = 0
         for group in groups:
             valid = np.array([t.status != STATUS_ERROR for t in group.trajectories])
             rewards = np.array([t.reward for t in group.trajectories])
             adv = group_advantages(rewards, valid, cfg.advantage, cfg.advantage_std_norm)
-            trajectories += group.trajectories
-            advantages += list(adv)
-            use += list(valid)
-        longest = self.shapes.buckets[-1]
-        lengths = np.array([len(t) for t in trajectories])
-        overlong = lengths > longest
-        if overlong.any():
-            if self.shapes.overlong == "reject":
-                self.metrics.count("batch/rejected", int(overlong.sum()))
-                use = [u and not o for u, o in zip(use, overlong)]
-            else:
-                self.metrics.count("batch/truncated", int(overlong.sum()))
-            lengths = np.minimum(lengths, longest)
-        m = cfg.minibatches
-        rows = -(-len(trajectories) // m)
-        width = bucket_for(int(lengths.max()), self.shapes.buckets)
-        arrays = {name: np.zeros((m * rows, width), np.float32 if name in (
-            "loss_mask", "behaviour_logprobs", "advantages", "weight") else np.int32)
-            for name in FIELDS}
-        for i, (t, n) in enumerate(zip(trajectories, lengths)):
-            arrays["tokens"][i, :n] = t.tokens[:n]
-            arrays["positions"][i, :n] = np.arange(n)
-            arrays["segment_ids"][i, :n] = 1
-            if use[i]:
-                arrays["loss_mask"][i, :n] = t.loss_mask[:n]
-            arrays["behaviour_logprobs"][i, :n] = t.behaviour_logprobs[:n]
-            arrays["advantages"][i, :n] = advantages[i]
-        arrays = {k: v.reshape(m, rows, width) for k, v in arrays.items()}
-        arrays["weight"] = self._weights(arrays["loss_mask"])
-        real = int(lengths.sum())
-        self.metrics.gauge("batch/packing_efficiency", real / (m * rows * width))
-        return Batch(arrays, real, int(arrays["loss_mask"].sum()))
+            for t, ok, a in zip(group.trajectories, valid, adv):
+                n = len(t)
+                if not ok or n == 0:
+                    continue
+                if n > longest:
+                    if self.shapes.overlong == "reject":
+                        rejected += 1
+                        continue
+                    truncated += 1
+                    n = longest
+                mask = np.asarray(t.loss_mask[:n], bool).copy()
+                mask[0] = False
+                if mask.any():
+                    items.append(_Item(t, n, float(a), mask))
+        if truncated:
+            self.metrics.count("batch/truncated", truncated)
+        if rejected:
+            self.metrics.count("batch/rejected", rejected)
+        return items
 
-    def _weights(self, mask_mrl: np.ndarray) -> np.ndarray:
-        """Per-token loss weights summing to 1 over each minibatch's loss tokens."""
+    def _weights(self, items: list[_Item]) -> list[np.ndarray]:
+        """Per-trajectory token weights summing to 1 over the minibatch's loss tokens."""
         if self.learner.loss_agg == "token_mean":
-            per_minibatch = mask_mrl.sum(axis=(1, 2), keepdims=True)
-            return mask_mrl / np.maximum(per_minibatch, 1)
-        per_row = mask_mrl.sum(axis=2, keepdims=True)
-        rows_with_loss = (per_row > 0).sum(axis=1, keepdims=True)
-        return mask_mrl / np.maximum(per_row, 1) / np.maximum(rows_with_loss, 1)
+            total = max(sum(int(it.mask.sum()) for it in items), 1)
+            return [it.mask / np.float32(total) for it in items]
+        # sequence_mean: every trajectory with loss tokens weighs 1 / (their count)
+        return [it.mask / np.float32(it.mask.sum() * len(items)) for it in items]
+
+    def _fill(self, plan: packing.MicrobatchPlan, items: list[_Item],
+              weights: list[np.ndarray]) -> dict[str, np.ndarray]:
+        arrays = {name: np.zeros(plan.shape, dtype) for name, dtype in FIELDS.items()}
+        segment = np.zeros(plan.rows, np.int32)
+        for p in plan.placements:
+            item, t = items[p.item], items[p.item].trajectory
+            row, cols = p.row, slice(p.offset, p.offset + p.length)
+            segment[row] += 1
+            arrays["tokens"][row, cols] = t.tokens[:p.length]
+            arrays["positions"][row, cols] = self._positions[:p.length]
+            arrays["segment_ids"][row, cols] = segment[row]
+            arrays["loss_mask"][row, cols] = item.mask
+            arrays["behaviour_logprobs"][row, cols] = t.behaviour_logprobs[:p.length]
+            arrays["advantages"][row, cols] = item.advantage
+            arrays["policy_version"][row, cols] = t.policy_version[:p.length]
+            arrays["weight"][row, cols] = weights[p.item]
+        return arrays
+
+
+# --- running ahead -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Prefetched:
+    """A built batch and what it was built from (`source` is whatever `source_fn` returned)."""
+
+    index: int  # 0, 1, 2, ... in the order batches were requested from the source
+    source: Any
+    batch: Batch
+
+
+_DONE = object()
+
+
+class Prefetcher:
+    """Builds batches ahead of the learner in a background thread and moves them to the device.
+
+    `source_fn(index)` returns the items for batch `index` (a list of groups, or of objects with a
+    `.group`, such as buffer entries), already through the staleness gate at the version batch
+    `index` will be trained at; or None once there is nothing more (the prefetcher then ends).
+    `put` moves one microbatch's train arrays to the device (e.g. `jax.device_put`); only
+    TRAIN_FIELDS are moved, the rest stay on the host.
+
+    Flow control: at most `depth` built batches wait; the thread blocks (stoppably) beyond that, so
+    the source is never read further ahead than `depth` batches plus the one being built.
+    `depth=0` builds in the caller's thread inside `get` (no look-ahead).
+
+    Failure: an exception in `source_fn`, the batcher or `put` is re-raised by the next `get`.
+    Stopping: `close()` stops and joins the thread (items it had taken from the source but not
+    handed out are lost to the caller: with at-least-once delivery they are redelivered later).
+    """
+
+    def __init__(self, batcher: Batcher, source_fn: Callable[[int], Sequence[Any] | None],
+                 depth: int = 2, put: Callable[[Any], Any] | None = None):
+        if depth < 0:
+            raise ValueError(f"depth={depth}: must be >= 0")
+        self.batcher = batcher
+        self.source_fn = source_fn
+        self.depth = depth
+        self.put = put
+        self._index = 0
+        self._stop = threading.Event()
+        self._ready: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._thread: threading.Thread | None = None
+        if depth:
+            self._thread = threading.Thread(target=self._run, name="learner-prefetch", daemon=True)
+            self._thread.start()
+
+    def _make(self) -> Prefetched | None:
+        index = self._index
+        source = self.source_fn(index)
+        if source is None:
+            return None
+        self._index += 1
+        groups = [getattr(s, "group", s) for s in source]
+        batch = self.batcher.build(groups)
+        if self.put is not None:
+            for mb in batch.microbatches:
+                moved = self.put({k: mb.arrays[k] for k in TRAIN_FIELDS})
+                mb.arrays = {**mb.arrays, **moved}
+        return Prefetched(index, source, batch)
+
+    def _offer(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._ready.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                item = self._make()
+                if item is None:
+                    self._offer(_DONE)
+                    return
+                if not self._offer(item):
+                    return
+        except BaseException as error:  # handed to the consumer, never swallowed
+            self._offer(error)
+
+    def get(self, timeout_s: float | None = None) -> Prefetched | None:
+        """The next batch; None once the source is exhausted or the prefetcher closed.
+
+        Raises:
+          TimeoutError: nothing ready within `timeout_s`.
+          Exception: whatever the source, the batcher or `put` raised in the background.
+        """
+        if self._thread is None:
+            return None if self._stop.is_set() else self._make()
+        if self._stop.is_set() and self._ready.empty():
+            return None
+        try:
+            item = self._ready.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no batch ready within {timeout_s} s") from None
+        if item is _DONE:
+            self._stop.set()
+            return None
+        if isinstance(item, BaseException):
+            self._stop.set()
+            raise item
+        return item
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stops the thread and joins it (the source function should itself return within a
+        bounded time once its own stop signal is set)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)

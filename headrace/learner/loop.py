@@ -158,7 +158,8 @@ class Learner:
         start = time.perf_counter()
         if self._first_step_at is None:
             self._first_step_at = start
-        self.state, step_metrics = self._train_step(self.state, batch.arrays)
+        # One call per microbatch, dispatched without waiting; `batch.updates` optimizer updates.
+        self.state, step_metrics = self._train_step(self.state, batch)
         # Deliberate sync: the step's time is measured to completion, and metrics go to the host.
         step_metrics = jax.device_get(step_metrics)
         elapsed = time.perf_counter() - start

@@ -1,9 +1,21 @@
-"""The learner step: a pure function (state, batch) -> (state, metrics), jitted once per shape.
+"""The learner step: (state, batch) -> (state, metrics), one jitted program per microbatch shape.
 
-A batch holds M minibatches ([M, R, L] arrays, see `batching.py`); the step scans over them, one
-optimizer update each. Token arrays are aligned with `tokens`: the log-prob of token t comes from
-the logits at t-1, so the loss uses positions 1..L-1 (the first token of every row is never
-generated). Metrics always include the loss parts, grad norm, param norm and update norm.
+A batch (`batching.Batch`) is a sequence of fixed-shape microbatches, minibatch by minibatch. The
+jitted `train_step` program takes one microbatch: it adds the microbatch's gradient to an
+accumulator and, on the last microbatch of a minibatch, applies one optimizer update and clears the
+accumulator (a `lax.cond` inside the program, so the update costs no extra compilation). Because
+the batcher normalises each token's `weight` over the whole minibatch, the summed gradient is the
+minibatch gradient exactly. Programs are compiled once per microbatch shape: a learner compiles at
+most as many as its shape policy has shapes (`learner/compiles` counts them).
+
+Token arrays are aligned with `tokens`: the log-prob of token t comes from the logits at t-1, so
+the loss uses positions 1..L-1; the batcher gives the first token of every segment weight 0, so no
+token is predicted across a segment boundary. Metrics always include the loss parts, grad norm,
+param norm and update norm (means over the step's updates), and importance-sampling statistics
+over all of the step's loss tokens.
+
+The decoupled loss evaluates its proximal policy with the weights at the start of the step (kept
+in the accumulator while the step's updates run).
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ import optax
 
 from headrace.config import LearnerConfig, OptimizerConfig
 from headrace.learner import losses
+from headrace.learner.batching import TRAIN_FIELDS, Batch
 from headrace.model import params as params_lib
 from headrace.model.transformer import segment_mask
 
@@ -27,6 +40,14 @@ class TrainState(NamedTuple):
     params: Any
     opt_state: Any
     ref_params: Any = None  # reference policy for the KL term (None when kl_coef == 0)
+
+
+class Accum(NamedTuple):
+    """What a step carries between its microbatches (all zero between steps)."""
+
+    grads: Any
+    sums: dict[str, jax.Array]  # weighted loss parts and IS sums over the step so far
+    anchor: Any = None  # params at the start of the step (decoupled loss only)
 
 
 def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
@@ -53,10 +74,19 @@ def _logprobs(graphdef, params, mb, temperature, allowed_v):
     return losses.token_logprobs(logits_blv[:, :-1], mb["tokens"][:, 1:], temperature, allowed_v)
 
 
+def _is_sums(logp, behaviour, weight) -> dict[str, jax.Array]:
+    """Additive importance-sampling sums over loss tokens (weight > 0); see `_finish`."""
+    on = weight > 0
+    rho = jnp.where(on, jnp.exp(logp - behaviour), 0.0)
+    return {"is/n": jnp.sum(on).astype(jnp.float32), "is/rho": jnp.sum(rho),
+            "is/rho2": jnp.sum(rho * rho), "is/ratio_max": jnp.max(rho)}
+
+
 def make_loss_fn(graphdef, config: LearnerConfig, temperature: float,
                  allowed_v: np.ndarray | None = None) -> Callable:
-    """loss(params, minibatch, prox_logp, ref_params) -> (scalar, metrics) for one minibatch.
+    """loss(params, microbatch, prox_logp, ref_params) -> (scalar, sums) for one microbatch.
 
+    The scalar is the microbatch's share of its minibatch loss (weights are minibatch-normalised).
     `allowed_v` is the sampler's action constraint (bool[vocab]) when decoding is constrained: the
     learner evaluates the same restricted distribution the actors sampled from.
     """
@@ -71,52 +101,118 @@ def make_loss_fn(graphdef, config: LearnerConfig, temperature: float,
         pg_loss = jnp.sum(per_token * weight)
         entropy_mean = jnp.sum(entropy * weight)
         total = pg_loss - config.entropy_coef * entropy_mean
-        metrics = {"loss/pg": pg_loss, "loss/entropy": entropy_mean,
-                   "is/clipped_frac": jnp.sum(clipped * weight)}
+        sums = {"loss/pg": pg_loss, "loss/entropy": entropy_mean,
+                "is/clipped_frac": jnp.sum(clipped * weight)}
         if ref_params is not None:
             ref_logp, _ = _logprobs(graphdef, ref_params, mb, temperature, allowed_v)
             kl = jnp.sum(losses.kl_to_reference(logp, jax.lax.stop_gradient(ref_logp)) * weight)
             total = total + config.kl_coef * kl
-            metrics["loss/kl"] = kl
-        metrics.update(losses.importance_stats(logp, shifted["behaviour_logprobs"], weight))
-        metrics["loss/total"] = total
-        return total, metrics
+            sums["loss/kl"] = kl
+        sums["loss/total"] = total
+        sums.update(_is_sums(jax.lax.stop_gradient(logp), shifted["behaviour_logprobs"], weight))
+        return total, sums
 
     return loss_fn
 
 
+def _finish(sums: dict[str, jax.Array], per_update: jax.Array) -> dict[str, jax.Array]:
+    """Step metrics from the sums: loss parts and norms averaged over updates, IS over tokens."""
+    out = {k: v * per_update for k, v in sums.items() if not k.startswith("is/")}
+    n = jnp.maximum(sums["is/n"], 1.0)
+    out["is/clipped_frac"] = sums["is/clipped_frac"] * per_update
+    out["is/ratio_mean"] = sums["is/rho"] / n
+    out["is/ratio_max"] = sums["is/ratio_max"]
+    out["is/ess"] = jnp.square(sums["is/rho"]) / (n * jnp.maximum(sums["is/rho2"], 1e-30))
+    return out
+
+
+class TrainStep:
+    """Runs a learner step microbatch by microbatch; `(state, batch) -> (state, metrics)`.
+
+    Donates `state` (its buffers are reused). Each microbatch call is dispatched without waiting
+    (no host sync here); the returned metrics are device arrays, ready once the step has run.
+    Not thread-safe: one step at a time.
+    """
+
+    def __init__(self, graphdef, config: LearnerConfig, temperature: float,
+                 optimizer: optax.GradientTransformation, allowed_v: np.ndarray | None = None):
+        loss_fn = make_loss_fn(graphdef, config, temperature, allowed_v)
+        decoupled = config.loss.kind == "decoupled"
+
+        def train_step(carry: tuple[TrainState, Accum], mb: dict[str, jax.Array],
+                       first: jax.Array, last: jax.Array, per_update: jax.Array):
+            state, acc = carry
+            # A step's first microbatch starts from zeroed sums (grads are zeroed by each update).
+            sums = jax.tree.map(lambda s: jnp.where(first, jnp.zeros_like(s), s), acc.sums)
+            prox = anchor = None
+            if decoupled:  # proximal policy: the weights at the start of this step
+                anchor = jax.lax.cond(first, lambda: state.params, lambda: acc.anchor)
+                prox = jax.lax.stop_gradient(
+                    _logprobs(graphdef, anchor, mb, temperature, allowed_v)[0])
+            grads, new = jax.grad(loss_fn, has_aux=True)(state.params, mb, prox, state.ref_params)
+            grads = jax.tree.map(jnp.add, acc.grads, grads)
+            sums = {k: (jnp.maximum if k == "is/ratio_max" else jnp.add)(v, new[k])
+                    if k in new else v for k, v in sums.items()}
+
+            def update(_):
+                updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+                params = optax.apply_updates(state.params, updates)
+                norms = (optax.global_norm(grads), optax.global_norm(updates))
+                return (TrainState(state.step + 1, params, opt_state, state.ref_params),
+                        jax.tree.map(jnp.zeros_like, grads), norms)
+
+            def keep(_):
+                zero = jnp.zeros((), jnp.float32)
+                return state, grads, (zero, zero)
+
+            state, grads, (grad_norm, update_norm) = jax.lax.cond(last, update, keep, None)
+            sums["learner/grad_norm"] = sums["learner/grad_norm"] + grad_norm
+            sums["learner/update_norm"] = sums["learner/update_norm"] + update_norm
+            metrics = _finish(sums, per_update)
+            metrics["learner/param_norm"] = optax.global_norm(state.params)
+            return (state, Accum(grads, sums, anchor)), metrics
+
+        self._decoupled = decoupled
+        self._loss_fn = loss_fn
+        self._step = jax.jit(train_step, donate_argnums=0)
+        self._acc: Accum | None = None
+
+    def _zero_accum(self, state: TrainState) -> Accum:
+        grads = jax.tree.map(jnp.zeros_like, state.params)
+        mb = {k: jax.ShapeDtypeStruct((1, 2), jnp.int32 if k in ("tokens", "positions",
+                                                                   "segment_ids") else jnp.float32)
+              for k in TRAIN_FIELDS}
+        shapes = jax.eval_shape(self._loss_fn, state.params, mb,
+                                jax.ShapeDtypeStruct((1, 1), jnp.float32)
+                                if self._decoupled else None, state.ref_params)[1]
+        sums = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+        sums["learner/grad_norm"] = jnp.zeros((), jnp.float32)
+        sums["learner/update_norm"] = jnp.zeros((), jnp.float32)
+        anchor = jax.tree.map(jnp.zeros_like, state.params) if self._decoupled else None
+        return Accum(grads, sums, anchor)
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+        """One learner step: `batch.updates` optimizer updates. An empty batch changes nothing.
+
+        Returns:
+          (state, metrics): metrics are device scalars (empty for an empty batch).
+        """
+        if not batch.microbatches:
+            return state, {}
+        if self._acc is None:
+            self._acc = self._zero_accum(state)
+        per_update = np.float32(1.0 / max(batch.updates, 1))
+        carry, metrics = (state, self._acc), {}
+        for i, mb in enumerate(batch.microbatches):
+            arrays = {k: mb.arrays[k] for k in TRAIN_FIELDS}
+            carry, metrics = self._step(carry, arrays, np.bool_(i == 0), np.bool_(mb.last),
+                                        per_update)
+        state, self._acc = carry
+        return state, metrics
+
+
 def make_train_step(graphdef, config: LearnerConfig, temperature: float,
                     optimizer: optax.GradientTransformation,
-                    allowed_v: np.ndarray | None = None) -> Callable:
-    """The jitted step. Donates the old state (its buffers are reused for the new one)."""
-    loss_fn = make_loss_fn(graphdef, config, temperature, allowed_v)
-    decoupled = config.loss.kind == "decoupled"
-
-    def train_step(state: TrainState, batch: dict[str, jax.Array]):
-        if decoupled:  # proximal policy: the weights at the start of this step
-            prox_mrl = jax.lax.map(
-                lambda mb: _logprobs(graphdef, state.params, mb, temperature, allowed_v)[0], batch)
-        else:
-            prox_mrl = jnp.zeros(batch["tokens"][:, :, 1:].shape, jnp.float32)
-
-        def update(carry, xs):
-            params, opt_state = carry
-            mb, prox = xs
-            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                params, mb, prox if decoupled else None, state.ref_params)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-            metrics["learner/grad_norm"] = optax.global_norm(grads)
-            metrics["learner/update_norm"] = optax.global_norm(updates)
-            return (params, opt_state), metrics
-
-        (params, opt_state), metrics = jax.lax.scan(update, (state.params, state.opt_state),
-                                                    (batch, prox_mrl))
-        ratio_max = jnp.max(metrics.pop("is/ratio_max"))
-        metrics = jax.tree.map(jnp.mean, metrics)
-        metrics["is/ratio_max"] = ratio_max
-        metrics["learner/param_norm"] = optax.global_norm(params)
-        steps = state.step + batch["tokens"].shape[0]
-        return TrainState(steps, params, opt_state, state.ref_params), metrics
-
-    return jax.jit(train_step, donate_argnums=0)
+                    allowed_v: np.ndarray | None = None) -> TrainStep:
+    """The learner step (see `TrainStep`); its jitted program is named `train_step`."""
+    return TrainStep(graphdef, config, temperature, optimizer, allowed_v)

@@ -113,6 +113,13 @@ class Metrics:
                 dist = self.averages[name] = Distribution(self._window)
             dist.add(value)
 
+    def average_many(self, name: str, values: Iterable[float]) -> None:
+        with self._lock:
+            dist = self.averages.get(name)
+            if dist is None:
+                dist = self.averages[name] = Distribution(self._window)
+            dist.extend(values)
+
     @contextlib.contextmanager
     def timer(self, name: str) -> Iterator[None]:
         """Observes the wall time of the block in seconds under `name`."""

@@ -1,0 +1,41 @@
+"""Tiny end-to-end runs through the real command line: the system learns, and says so in JSON."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+SMALL = [
+    "--set", "env.kwargs.n=8", "--set", "env.kwargs.max_turns=3",
+    "--set", "run.max_steps=150", "--set", "run.max_wall_s=0", "--set", "run.stop_at_target=false",
+    "--set", "run.eval_every=50", "--set", "learner.groups_per_batch=16",
+    "--set", "learner.minibatches=1", "--set", "learner.optimizer.lr=3e-3",
+    "--set", "actor.envs_per_actor=128", "--set", "actor.max_batch=128",
+    "--set", "buffer.capacity=16",
+]
+RANDOM_SUCCESS = 1 - (7 / 8) ** 3  # a uniform random guesser at n=8 with 3 guesses: ~0.33
+
+
+@pytest.mark.timeout(600)
+def test_train_learns_guess_number_and_prints_one_json_object(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "headrace.cli", "train", "examples/guess_number.yaml", "--json",
+         "--set", f"run.dir={tmp_path}/run", *SMALL],
+        capture_output=True, text=True, timeout=580)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)  # stdout is exactly one JSON object
+    for key in ("final_success_rate", "time_to_target_s", "learner_utilization", "steps",
+                "episodes", "wall_s"):
+        assert key in summary
+    assert summary["steps"] == 150
+    assert summary["final_success_rate"] >= RANDOM_SUCCESS + 0.3, summary
+    run_dir = tmp_path / "run"
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 150
+    assert (run_dir / "config.yaml").exists()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 150
+    for name in ("learner/utilization", "learner/step_s_p50", "buffer/depth", "reward/mean",
+                 "staleness/lag_mean", "is/ess", "learner/compiles"):
+        assert name in records[-1], name
+    assert any(p.name.startswith("events.out.tfevents") for p in (run_dir / "tensorboard").iterdir())
