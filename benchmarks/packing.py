@@ -185,10 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                      "--median > 0, --sigma >= 0")
     buckets = tuple(2**i for i in range(5, 13))
     model = dict(config_lib.MODEL_PRESETS[args.preset])
-    if args.quick:  # seconds: a one-layer model, a short ladder, three small steps
-        args.trajectories, args.median, args.sigma = min(args.trajectories, 48), 40.0, 0.8
+    if args.quick:  # seconds: a one-layer model, a short ladder, one step
+        args.trajectories, args.median, args.sigma = min(args.trajectories, 32), 40.0, 0.8
         args.min_len, args.max_len, args.token_budget = 4, 128, 256
-        args.group_size, args.groups_per_batch = 4, 4
+        args.group_size, args.groups_per_batch = 4, 8
         buckets = (32, 64, 128)
         model = dict(d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
     # Compile time is part of what this measures: no persistent cache, whatever the CLI set.

@@ -49,7 +49,10 @@ def _train(args) -> int:
         return _fail("train needs a CONFIG file (e.g. examples/guess_number.yaml)")
     try:
         config = load(args.config, args.set)
-        from headrace.runtime.threads import train
+        if config.run.launcher == "processes":
+            from headrace.runtime.processes import train
+        else:
+            from headrace.runtime.threads import train
 
         summary = train(config, live=not args.no_live and not args.json and sys.stderr.isatty())
     except (ConfigError, EnvError) as error:

@@ -38,6 +38,8 @@ class RunConfig:
     checkpoint_every: int = 0  # learner steps between checkpoints (0: only at the end)
     launcher: Literal["threads", "processes", "ray"] = "threads"  # how components are run
     log_every: int = 10  # learner steps between metric records
+    learner_cpus: tuple[int, ...] = ()  # processes launcher: pin the learner (and 1 XLA thread) here
+    actor_cpus: tuple[int, ...] = ()  # processes launcher: pin the actors here (empty: anywhere)
 
     def __post_init__(self):
         _check(self.launcher != "ray", "run.launcher", self.launcher,

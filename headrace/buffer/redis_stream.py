@@ -603,6 +603,11 @@ class RedisBuffer(Buffer):
                 "buffer/reconnects": self._reconnects,
             }
 
+    @property
+    def client(self) -> redis.Redis:
+        """The connection, for other run state kept in the same Redis (metrics, admission)."""
+        return self._client
+
     def all_ids(self) -> dict[str, set[EntryId]]:
         """One atomic snapshot of every entry id, for accounting checks (slow on a full buffer).
 

@@ -18,7 +18,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -36,19 +35,15 @@ from headrace.weights.base import WeightStore
 
 log = logging.getLogger(__name__)
 
-StepCallback = Callable[[int, int, dict[str, float]], None]  # (step, version, metrics)
-
 
 class Learner:
     def __init__(self, config: Config, graphdef, params, buffer: Buffer, weights: WeightStore,
-                 metrics: Metrics, stop: threading.Event, on_step: StepCallback | None = None,
-                 allowed_v: np.ndarray | None = None):
+                 metrics: Metrics, stop: threading.Event, allowed_v: np.ndarray | None = None):
         self.config = config
         self.buffer = buffer
         self.weights = weights
         self.metrics = metrics
         self.stop = stop
-        self.on_step = on_step
         lc = config.learner
         optimizer = make_optimizer(lc.optimizer)
         self.state = init_state(params, optimizer, lc.kl_coef)
@@ -151,8 +146,6 @@ class Learner:
                 self.publish()
             if not run.checkpoint_every:
                 self._flush_acks()
-            if self.on_step is not None:
-                self.on_step(self.step, self.version, self.metrics.snapshot())
 
     def _train(self, batch) -> None:
         start = time.perf_counter()

@@ -133,6 +133,13 @@ class Metrics:
         with self._lock:
             return self.dists.get(name)
 
+    def export(self) -> dict[str, dict[str, float]]:
+        """The snapshot split into counters (summed across processes) and values (not)."""
+        snapshot = self.snapshot()
+        with self._lock:
+            counters = {k: snapshot.pop(k) for k in list(self.counters)}
+        return {"counters": counters, "values": snapshot}
+
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             out: dict[str, float] = dict(self.counters)

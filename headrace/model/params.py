@@ -24,10 +24,14 @@ def _init_params(dims: ModelDims, seed: int) -> Params:
     return nnx.to_pure_dict(nnx.split(build_model(dims, seed))[1])
 
 
+def graphdef(dims: ModelDims) -> nnx.GraphDef:
+    """The model's structure without materialising any parameter (actors get weights later)."""
+    return nnx.graphdef(nnx.eval_shape(lambda: build_model(dims, 0)))
+
+
 def init(dims: ModelDims, seed: int) -> tuple[nnx.GraphDef, Params]:
     """Graph definition and freshly initialised params (one compiled program, not one per array)."""
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(dims, seed)))
-    return graphdef, _init_params(dims, seed)
+    return graphdef(dims), _init_params(dims, seed)
 
 
 def merge(graphdef: nnx.GraphDef, params: Params) -> Transformer:

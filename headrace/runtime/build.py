@@ -78,30 +78,36 @@ def init_params(config: Config, task: Task):
     return params_lib.init(task.dims, config.run.seed)
 
 
-def make_buffer(config: Config) -> Buffer:
+def make_buffer(config: Config, *, url: str = "", run_id: str = "", consumer: str = "") -> Buffer:
+    """The configured buffer; the Redis backend needs the server's url and this run's id."""
     b = config.buffer
     if b.backend == "memory":
         return MemoryBuffer(b.capacity, b.max_pending, b.claim_idle_s)
-    raise ConfigError(f"buffer.backend={b.backend!r}: the threads launcher uses the memory "
-                      "backend; the redis backend runs under the processes launcher")
+    from headrace.buffer.redis_stream import RedisBuffer
+
+    return RedisBuffer.from_config(b, url, run_id, consumer)
 
 
-def make_weights(config: Config) -> WeightStore:
+def make_weights(config: Config, run_dir: str | pathlib.Path | None = None) -> WeightStore:
     if config.weights.backend == "memory":
         return MemoryWeightStore(config.weights_keep)
-    raise ConfigError(f"weights.backend={config.weights.backend!r}: the threads launcher uses "
-                      "the memory backend")
+    from headrace.weights.directory import DirWeightStore
+
+    if run_dir is None and not config.weights.path:
+        raise ConfigError("weights.backend='dir' needs weights.path or a run folder")
+    path = config.weights.path or pathlib.Path(run_dir) / "weights"
+    return DirWeightStore(path, keep=config.weights_keep)
 
 
 def check_flow(config: Config) -> None:
     """Refuses settings under which the pipeline would deadlock, with the reason."""
     lc, b = config.learner, config.buffer
-    if config.run.checkpoint_every and b.max_pending < lc.groups_per_batch * (
-            config.run.checkpoint_every + 1):
+    needed = lc.groups_per_batch * (config.run.checkpoint_every + 1)
+    if config.run.checkpoint_every and b.max_pending < needed:
         raise ConfigError(
             f"buffer.max_pending={b.max_pending}: entries stay pending until the checkpoint "
             f"that covers them, so it must be >= learner.groups_per_batch x "
-            f"(run.checkpoint_every + 1) = {lc.groups_per_batch * (config.run.checkpoint_every + 1)}")
+            f"(run.checkpoint_every + 1) = {needed}")
     if b.max_pending < lc.groups_per_batch * 2:
         raise ConfigError(f"buffer.max_pending={b.max_pending}: must be >= 2 x "
                           f"learner.groups_per_batch = {2 * lc.groups_per_batch}")

@@ -1,0 +1,462 @@
+"""Admission control (DESIGN.md, "Admission"): an actor starts a group only if it would be trained
+within the lag limit.
+
+The forecast. With the learner at version `v`, `s` steps since its last publish, `Q` groups ahead of
+the new one (the new one included), consumption in arrival order, `groups_per_batch` groups per
+learner step and a publish every `publish_every` steps, the new group is trained at
+
+    trained_at = v + floor((s + ceil(Q / groups_per_batch) - 1) / publish_every)
+
+and an actor holding weights `v_a` may start it when `trained_at - v_a <= max_policy_lag`. When
+`max_age_s` is set and the actor knows its p90 episode time, admission also requires
+`ceil(Q / groups_per_batch) * step_s + p90_episode_s <= max_age_s` (the learner's gate drops groups
+older than `max_age_s`; `step_s` is the learner's recent time per step).
+
+What `Q` counts, and who reports it:
+  * `learner queued`: groups the learner has read from the buffer but not yet trained (reader queue,
+    batcher, prefetch), reported by the learner in `learner_update(queued=...)`; a multi-host
+    learner reports one figure per `host`, and they are summed.
+  * `depth`: undelivered groups in the buffer, read by the backend itself at decision time (the
+    in-process backend calls the `depth` callable it was given, e.g. `MemoryBuffer.depth`; the Redis
+    backend reads the run's stream, `XLEN - pending`, inside its script).
+  * `in_flight`: live leases, one per admitted group not yet released.
+  * `+ 1`: the new group.
+
+Protocol for an actor: `try_admit` (or the blocking `admit` / `wait_admit`) before starting a group;
+renew the leases with `heartbeat(actor_id)` every `lease_ttl_s / 3` or so (`Heartbeat` does it on a
+thread); `release(lease)` once the group is in the buffer (after the put returns, so the group is
+never counted by neither side; briefly counting it twice only makes admission conservative), and in
+a `finally` when the group is abandoned. The learner calls `learner_update` after every read and
+every step.
+
+It is a forecast, not a guarantee: episodes finish out of order, groups the learner has just read
+are uncounted until its next `learner_update`, and the gate drops (and counts) whatever turns out
+over a limit. Failure modes: a crashed actor stops heartbeating, so its leases expire after
+`lease_ttl_s` and admission resumes without it (its groups, if they ever arrive, are still trained
+or dropped by the gate). An actor that stalls longer than `lease_ttl_s` loses its leases too
+(`heartbeat` returns how many it renewed; `release` of an expired lease returns False).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from headrace.config import Config
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^[\w.\-:]+$")
+REFUSED_LAG = "lag"  # the group would be trained more than max_policy_lag versions past the weights
+REFUSED_AGE = "age"  # expected wait + p90 episode time would exceed max_age_s
+
+
+class AdmissionError(RuntimeError):
+    """The admission store cannot serve a request (connection lost for good)."""
+
+
+def check_name(what: str, value: str) -> str:
+    """`value` if it is a usable actor or host name (letters, digits, `_ . - :`).
+
+    Raises:
+      ValueError: it is empty or holds other characters.
+    """
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ValueError(f"{what}={value!r}: use letters, digits, '_', '.', '-', ':'")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class AdmissionLimits:
+    """The settings the forecast needs; `from_config` takes them from the run's config."""
+
+    groups_per_batch: int  # groups one learner step consumes
+    publish_every: int  # learner steps between weight publishes
+    max_policy_lag: int  # largest admissible trained_at - weights version
+    max_age_s: float = 0.0  # largest admissible expected wait + p90 episode time (0: off)
+
+    def __post_init__(self):
+        for name in ("groups_per_batch", "publish_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.max_policy_lag < 0 or self.max_age_s < 0:
+            raise ValueError(f"max_policy_lag={self.max_policy_lag} and max_age_s="
+                             f"{self.max_age_s}: must be >= 0")
+
+    @classmethod
+    def from_config(cls, config: Config) -> AdmissionLimits:
+        return cls(groups_per_batch=config.learner.groups_per_batch,
+                   publish_every=config.learner.publish_every,
+                   max_policy_lag=config.staleness.max_policy_lag,
+                   max_age_s=config.staleness.max_age_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerState:
+    """What the learner last reported (all zero before its first `learner_update`)."""
+
+    version: int = 0  # latest published policy version
+    since_publish: int = 0  # learner steps since that publish
+    queued: int = 0  # groups read from the buffer, not yet trained (all hosts)
+    step_s: float = 0.0  # recent seconds per learner step (0: unknown)
+
+
+@dataclasses.dataclass(frozen=True)
+class Forecast:
+    """One admission decision and everything it was computed from."""
+
+    version: int
+    since_publish: int
+    learner_queued: int
+    depth: int
+    in_flight: int  # live leases before this request
+    queued_ahead: int  # Q: learner_queued + depth + in_flight + 1
+    batches: int  # ceil(Q / groups_per_batch)
+    trained_at: int
+    weights_version: int
+    lag: int  # trained_at - weights_version
+    expected_wait_s: float  # batches * step_s
+    p90_episode_s: float | None
+    reason: str  # "" (admissible), REFUSED_LAG or REFUSED_AGE
+
+    @property
+    def admitted(self) -> bool:
+        return not self.reason
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"admitted": self.admitted}
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """A reserved in-flight slot; valid while its actor heartbeats, until released."""
+
+    lease_id: str
+    actor_id: str
+    weights_version: int
+    trained_at: int  # forecast version the group is trained at
+    queued_ahead: int  # Q when admitted
+
+
+def trained_at_version(version: int, since_publish: int, queued_ahead: int,
+                       groups_per_batch: int, publish_every: int) -> int:
+    """The version a group is trained at with `queued_ahead` groups ahead (itself included)."""
+    batches = -(-queued_ahead // groups_per_batch)
+    return version + (since_publish + batches - 1) // publish_every
+
+
+def decide(state: LearnerState, depth: int, in_flight: int, limits: AdmissionLimits,
+           weights_version: int, p90_episode_s: float | None) -> Forecast:
+    """The admission rule as a pure function (the Redis script mirrors it; tests compare them)."""
+    ahead = state.queued + depth + in_flight + 1
+    batches = -(-ahead // limits.groups_per_batch)
+    trained_at = trained_at_version(state.version, state.since_publish, ahead,
+                                    limits.groups_per_batch, limits.publish_every)
+    wait_s = batches * state.step_s
+    reason = ""
+    if trained_at - weights_version > limits.max_policy_lag:
+        reason = REFUSED_LAG
+    elif (limits.max_age_s > 0 and p90_episode_s is not None
+          and wait_s + p90_episode_s > limits.max_age_s):
+        reason = REFUSED_AGE
+    return Forecast(state.version, state.since_publish, state.queued, depth, in_flight, ahead,
+                    batches, trained_at, weights_version, trained_at - weights_version, wait_s,
+                    p90_episode_s, reason)
+
+
+def check_update(version: int, since_publish: int, queued: int, step_s: float) -> None:
+    """Raises ValueError when a learner report is out of range."""
+    if version < 0 or since_publish < 0 or queued < 0 or not step_s >= 0:
+        raise ValueError(f"learner_update(version={version}, since_publish={since_publish}, "
+                         f"queued={queued}, step_s={step_s}): all must be >= 0")
+
+
+def new_lease_id(actor_id: str) -> str:
+    return f"{actor_id}|{uuid.uuid4().hex[:16]}"
+
+
+class Admission(abc.ABC):
+    """Admission control shared by actors (and fed by the learner); every method is thread-safe.
+
+    Args (of every backend):
+      limits: the forecast's settings.
+      lease_ttl_s: a lease not renewed by a heartbeat for this long expires.
+    """
+
+    def __init__(self, limits: AdmissionLimits, lease_ttl_s: float):
+        if not lease_ttl_s > 0:
+            raise ValueError(f"lease_ttl_s={lease_ttl_s}: must be > 0")
+        self.limits, self.lease_ttl_s = limits, lease_ttl_s
+
+    @abc.abstractmethod
+    def learner_update(self, version: int, since_publish: int, queued: int, step_s: float,
+                       host: str = "0") -> None:
+        """Records the learner's state; `queued` is this `host`'s read-but-untrained groups.
+
+        Raises:
+          ValueError: a value is negative or `host` is not a name.
+        """
+
+    @abc.abstractmethod
+    def _decide(self, actor_id: str, weights_version: int, p90_episode_s: float | None,
+                reserve: bool) -> tuple[Forecast, Lease | None]:
+        """Forecasts (and, when `reserve` and admissible, takes a lease) in one atomic step."""
+
+    @abc.abstractmethod
+    def release(self, lease: Lease) -> bool:
+        """Frees the lease's slot; False when it had already expired or been released."""
+
+    @abc.abstractmethod
+    def heartbeat(self, actor_id: str) -> int:
+        """Extends every live lease of `actor_id` to now + `lease_ttl_s`; returns how many."""
+
+    @abc.abstractmethod
+    def in_flight(self, actor_id: str | None = None) -> int:
+        """Live leases (of one actor, or of all)."""
+
+    @abc.abstractmethod
+    def learner_state(self) -> LearnerState:
+        """What the learner last reported (zeros before its first report)."""
+
+    def close(self) -> None:  # noqa: B027 - only backends with connections override it
+        """Releases connections; leases stay until released or expired."""
+
+    def try_admit(self, actor_id: str, weights_version: int,
+                  p90_episode_s: float | None = None) -> Lease | None:
+        """A lease when a group started now with weights `weights_version` is admissible, else None.
+
+        `p90_episode_s` (None: not known yet) enables the `max_age_s` check.
+        Raises:
+          ValueError: `actor_id` is not a name, or a number is negative.
+          AdmissionError: the store is unreachable (Redis backend).
+        """
+        check_name("actor_id", actor_id)
+        _check_request(weights_version, p90_episode_s)
+        return self._decide(actor_id, weights_version, p90_episode_s, True)[1]
+
+    def forecast(self, weights_version: int, p90_episode_s: float | None = None) -> Forecast:
+        """What `try_admit` would decide now, without reserving anything."""
+        _check_request(weights_version, p90_episode_s)
+        return self._decide("forecast", weights_version, p90_episode_s, False)[0]
+
+
+def _check_request(weights_version: int, p90_episode_s: float | None) -> None:
+    if weights_version < 0 or (p90_episode_s is not None and not p90_episode_s >= 0):
+        raise ValueError(f"weights_version={weights_version}, p90_episode_s={p90_episode_s}: "
+                         "must be >= 0")
+
+
+class InProcessAdmission(Admission):
+    """Admission for the threads launcher: one lock, leases in a dict.
+
+    Args:
+      limits, lease_ttl_s: see `Admission`.
+      depth: returns the buffer's undelivered groups (e.g. `MemoryBuffer.depth`); None counts 0.
+        It is called under this object's lock, so it must not call back into admission.
+      clock: monotonic seconds (tests may pass a fake).
+    """
+
+    def __init__(self, limits: AdmissionLimits, *, depth: Callable[[], int] | None = None,
+                 lease_ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        super().__init__(limits, lease_ttl_s)
+        self._depth = depth or (lambda: 0)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._state = LearnerState()
+        self._queued: dict[str, int] = {}
+        self._leases: dict[str, tuple[str, float]] = {}  # lease id -> (actor id, expiry)
+
+    def _expire(self) -> float:
+        now = self._clock()
+        for lease_id in [k for k, (_, expiry) in self._leases.items() if expiry <= now]:
+            del self._leases[lease_id]
+        return now
+
+    def learner_update(self, version: int, since_publish: int, queued: int, step_s: float,
+                       host: str = "0") -> None:
+        check_update(version, since_publish, queued, step_s)
+        check_name("host", host)
+        with self._lock:
+            self._queued[host] = queued
+            self._state = LearnerState(version, since_publish, sum(self._queued.values()),
+                                       float(step_s))
+
+    def learner_state(self) -> LearnerState:
+        """What the learner last reported (zeros before its first report)."""
+        with self._lock:
+            return self._state
+
+    def _decide(self, actor_id: str, weights_version: int, p90_episode_s: float | None,
+                reserve: bool) -> tuple[Forecast, Lease | None]:
+        with self._lock:
+            now = self._expire()
+            forecast = decide(self._state, int(self._depth()), len(self._leases), self.limits,
+                              weights_version, p90_episode_s)
+            if not (reserve and forecast.admitted):
+                return forecast, None
+            lease_id = new_lease_id(actor_id)
+            self._leases[lease_id] = (actor_id, now + self.lease_ttl_s)
+        return forecast, Lease(lease_id, actor_id, weights_version, forecast.trained_at,
+                               forecast.queued_ahead)
+
+    def release(self, lease: Lease) -> bool:
+        with self._lock:
+            self._expire()
+            return self._leases.pop(lease.lease_id, None) is not None
+
+    def heartbeat(self, actor_id: str) -> int:
+        with self._lock:
+            now = self._expire()
+            mine = [k for k, (actor, _) in self._leases.items() if actor == actor_id]
+            for lease_id in mine:
+                self._leases[lease_id] = (actor_id, now + self.lease_ttl_s)
+            return len(mine)
+
+    def in_flight(self, actor_id: str | None = None) -> int:
+        with self._lock:
+            self._expire()
+            if actor_id is None:
+                return len(self._leases)
+            return sum(actor == actor_id for actor, _ in self._leases.values())
+
+
+# -- waiting for admission ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Admitted:
+    """How a wait for admission ended: `lease` is None when stopped or timed out."""
+
+    lease: Lease | None
+    wait_s: float  # report as actor/admission_wait_s
+    attempts: int
+    last: Forecast | None  # the last refusal's forecast (None when admitted at once)
+
+
+class _Waiter:
+    """The polling state both helpers share: `attempt()` is an `Admitted` or a delay to sleep."""
+
+    def __init__(self, admission: Admission, actor_id: str,
+                 weights_version: int | Callable[[], int],
+                 p90_episode_s: float | None | Callable[[], float | None],
+                 poll_s: float, max_poll_s: float, timeout_s: float | None):
+        if not 0 < poll_s <= max_poll_s:
+            raise ValueError(f"poll_s={poll_s}, max_poll_s={max_poll_s}: need 0 < poll_s <= "
+                             "max_poll_s")
+        check_name("actor_id", actor_id)
+        self.admission, self.actor_id = admission, actor_id
+        self._version = weights_version if callable(weights_version) else lambda: weights_version
+        self._p90 = p90_episode_s if callable(p90_episode_s) else lambda: p90_episode_s
+        self._delay, self._max_poll_s = poll_s, max_poll_s
+        self.start = time.monotonic()
+        self._deadline = None if timeout_s is None else self.start + timeout_s
+        self.attempts, self.last = 0, None
+
+    def attempt(self) -> Admitted | float:
+        self.attempts += 1
+        version, p90 = self._version(), self._p90()
+        _check_request(version, p90)
+        forecast, lease = self.admission._decide(self.actor_id, version, p90, True)
+        if lease is not None:
+            return Admitted(lease, time.monotonic() - self.start, self.attempts, self.last)
+        self.last = forecast
+        now = time.monotonic()
+        if self._deadline is not None and now >= self._deadline:
+            return self.give_up()
+        delay, self._delay = self._delay, min(self._delay * 2, self._max_poll_s)
+        return delay if self._deadline is None else min(delay, self._deadline - now)
+
+    def give_up(self) -> Admitted:
+        return Admitted(None, time.monotonic() - self.start, self.attempts, self.last)
+
+
+def admit(admission: Admission, actor_id: str, weights_version: int | Callable[[], int], *,
+          stop: threading.Event, p90_episode_s: float | None | Callable[[], float | None] = None,
+          poll_s: float = 0.05, max_poll_s: float = 0.5,
+          timeout_s: float | None = None) -> Admitted:
+    """Blocks until admitted, `stop` is set or `timeout_s` passes.
+
+    Polls `try_admit`, the interval doubling from `poll_s` to `max_poll_s`; `weights_version` and
+    `p90_episode_s` may be callables, re-read on every attempt (the actor may pick up newer weights
+    while it waits). A stop wakes the wait at once.
+    Raises:
+      AdmissionError: the store became unreachable.
+    """
+    waiter = _Waiter(admission, actor_id, weights_version, p90_episode_s, poll_s, max_poll_s,
+                     timeout_s)
+    while not stop.is_set():
+        result = waiter.attempt()
+        if isinstance(result, Admitted):
+            return result
+        stop.wait(result)
+    return waiter.give_up()
+
+
+async def wait_admit(admission: Admission, actor_id: str,
+                     weights_version: int | Callable[[], int], *, stop: threading.Event,
+                     p90_episode_s: float | None | Callable[[], float | None] = None,
+                     poll_s: float = 0.05, max_poll_s: float = 0.5,
+                     timeout_s: float | None = None) -> Admitted:
+    """`admit` for an asyncio loop: sleeps with `asyncio.sleep` (a stop is seen within
+    `max_poll_s`). Each attempt is one short blocking store call (a Redis round trip)."""
+    waiter = _Waiter(admission, actor_id, weights_version, p90_episode_s, poll_s, max_poll_s,
+                     timeout_s)
+    while not stop.is_set():
+        result = waiter.attempt()
+        if isinstance(result, Admitted):
+            return result
+        await asyncio.sleep(result)
+    return waiter.give_up()
+
+
+class Heartbeat:
+    """Renews one actor's leases every `every_s` (default `lease_ttl_s / 3`) on a daemon thread.
+
+    A failed renewal is logged and counted (`failures`, `last_error`) and retried at the next beat;
+    if failures last longer than the TTL the leases expire, which is the designed outcome.
+    Use as a context manager, or `start()` / `stop()`.
+    """
+
+    def __init__(self, admission: Admission, actor_id: str, every_s: float | None = None):
+        self.admission, self.actor_id = admission, check_name("actor_id", actor_id)
+        self.every_s = admission.lease_ttl_s / 3 if every_s is None else every_s
+        if not 0 < self.every_s:
+            raise ValueError(f"every_s={every_s}: must be > 0")
+        self.beats = self.failures = 0
+        self.last_error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{actor_id}-heartbeat",
+                                        daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.admission.heartbeat(self.actor_id)
+                self.beats += 1
+            except Exception as error:  # counted and logged; the leases may lapse
+                self.failures += 1
+                self.last_error = error
+                log.warning("heartbeat of %s failed (%d so far): %s", self.actor_id,
+                            self.failures, error)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def __enter__(self) -> Heartbeat:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

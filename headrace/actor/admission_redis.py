@@ -1,0 +1,289 @@
+"""Admission in Redis, for actors in other processes or on other hosts (DESIGN.md, "Scaling out").
+
+Keys of one run and shard, next to the buffer's (the `{RUN:SHARD}` hash tag keeps them in one
+Redis Cluster slot with the stream, so one script may read them all):
+
+  headrace:{RUN:SHARD}:admission:learner     hash: version, since_publish, step_s, updated_ms
+  headrace:{RUN:SHARD}:admission:queued      hash: learner host -> groups read, not yet trained
+  headrace:{RUN:SHARD}:admission:leases      sorted set of `actor|id` scored by expiry (server ms)
+  headrace:{RUN:SHARD}:admission:actor:ID    set of that actor's lease members (expires with them)
+
+`try_admit` is one Lua script: drop expired leases, count the live ones, read the learner's state
+and the stream's depth (`XLEN - pending` of the `learners` group), apply the rule of
+`headrace.actor.admission.decide`, and take the lease only when admissible, so two actors can never
+both take the last admissible slot. Lease expiry uses the server's clock (one clock for every host).
+A call whose reply was lost is retried with the same lease id, and the script first removes that
+id, so a retry never holds two slots.
+
+Failure modes: a lost connection is retried with exponential backoff for at most `retry_s`, then
+`AdmissionError`. Values are kept as strings in Redis; floats cross into Lua as Python's `repr`,
+which Lua parses exactly, so the script and `decide` agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from headrace.actor.admission import (
+    Admission,
+    AdmissionError,
+    AdmissionLimits,
+    Forecast,
+    LearnerState,
+    Lease,
+    check_name,
+    check_update,
+    decide,
+    new_lease_id,
+)
+from headrace.buffer.redis_stream import GROUP
+from headrace.config import Config
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# KEYS: learner, queued, leases, actor set, stream. ARGV: stream group, reserve ('1'|'0'), member,
+# ttl_ms, weights_version, p90 ('' unknown), groups_per_batch, publish_every, max_policy_lag,
+# max_age_s. Returns {reason, version, since_publish, queued, depth, in_flight, step_s}.
+_DECIDE = _NOW + """
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+redis.call('ZREM', KEYS[3], ARGV[3])  -- this call's own, from an attempt whose reply was lost
+local in_flight = redis.call('ZCARD', KEYS[3])
+local learner = redis.call('HMGET', KEYS[1], 'version', 'since_publish', 'step_s')
+local version, since = tonumber(learner[1] or '0'), tonumber(learner[2] or '0')
+local step_text = learner[3] or '0'
+local queued = 0
+for _, n in ipairs(redis.call('HVALS', KEYS[2])) do queued = queued + tonumber(n) end
+local depth = 0
+local summary = redis.pcall('XPENDING', KEYS[5], ARGV[1])
+if not (type(summary) == 'table' and summary.err) then
+  depth = redis.call('XLEN', KEYS[5]) - summary[1]
+end
+local ahead = queued + depth + in_flight + 1
+local per_batch, every = tonumber(ARGV[7]), tonumber(ARGV[8])
+local batches = math.floor((ahead + per_batch - 1) / per_batch)
+local trained_at = version + math.floor((since + batches - 1) / every)
+local max_age = tonumber(ARGV[10])
+local reason = ''
+if trained_at - tonumber(ARGV[5]) > tonumber(ARGV[9]) then
+  reason = 'lag'
+elseif max_age > 0 and ARGV[6] ~= '' and
+    batches * tonumber(step_text) + tonumber(ARGV[6]) > max_age then
+  reason = 'age'
+end
+if reason == '' and ARGV[2] == '1' then
+  local ttl = tonumber(ARGV[4])
+  redis.call('ZADD', KEYS[3], now + ttl, ARGV[3])
+  redis.call('SADD', KEYS[4], ARGV[3])
+  redis.call('PEXPIRE', KEYS[4], ttl)
+else
+  redis.call('SREM', KEYS[4], ARGV[3])
+end
+return {reason, version, since, queued, depth, in_flight, step_text}
+"""
+
+# KEYS: leases, actor set. ARGV: ttl_ms. Returns the number of live leases renewed.
+_HEARTBEAT = _NOW + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local ttl, live = tonumber(ARGV[1]), 0
+for _, m in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  if redis.call('ZSCORE', KEYS[1], m) then
+    -- x
+    live = live + 1
+  else
+    redis.call('SREM', KEYS[2], m)
+  end
+end
+if live > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
+return live
+"""
+
+# KEYS: leases, actor set. ARGV: member. Returns 1 when the lease was live.
+_RELEASE = _NOW + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('SREM', KEYS[2], ARGV[1])
+return redis.call('ZREM', KEYS[1], ARGV[1])
+"""
+
+# KEYS: leases, actor set (or none). Returns live leases, of the actor when its set is given.
+_COUNT = _NOW + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if #KEYS == 1 then return redis.call('ZCARD', KEYS[1]) end
+local live = 0
+for _, m in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  if redis.call('ZSCORE', KEYS[1], m) then live = live + 1 end
+end
+return live
+"""
+
+
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class RedisAdmission(Admission):
+    """Admission whose state lives in the run's Redis, shared by every process and host.
+
+    Args:
+      client: a `redis://` / `unix://` URL, or a `redis.Redis` (it keeps its own retry policy).
+      limits, lease_ttl_s: see `Admission`.
+      run_id, shard: name the keys (the same as the run's `RedisBuffer`, whose stream's depth is
+        counted).
+      password: Redis AUTH password (for a URL client).
+      retry_s: how long a lost connection is retried before `AdmissionError`.
+      socket_timeout_s: a reply slower than this counts as a lost connection.
+    Raises:
+      ValueError: an argument is out of range.
+    """
+
+    def __init__(self, client: str | redis.Redis, limits: AdmissionLimits, *, run_id: str,
+                 shard: int = 0, lease_ttl_s: float = 30.0, password: str | None = None,
+                 retry_s: float = 30.0, socket_timeout_s: float = 10.0):
+        super().__init__(limits, lease_ttl_s)
+        if not run_id or not re.fullmatch(r"[\w.\-]+", run_id):
+            raise ValueError(f"run_id={run_id!r}: use letters, digits, '_', '-', '.'")
+        if shard < 0 or retry_s < 0 or socket_timeout_s <= 0:
+            raise ValueError(f"shard={shard}, retry_s={retry_s} must be >= 0, socket_timeout_s="
+                             f"{socket_timeout_s} > 0")
+        self.retry_s = retry_s
+        self._ttl_ms = max(1, int(round(lease_ttl_s * 1000)))
+        self._own_client = isinstance(client, str)
+        if isinstance(client, str):
+            self._where = client
+            self._client = redis.Redis.from_url(
+                client, password=password or None, socket_timeout=socket_timeout_s,
+                socket_connect_timeout=min(5.0, socket_timeout_s), retry=Retry(NoBackoff(), 0))
+        else:
+            self._where, self._client = repr(client), client
+        prefix = f"headrace:{{{run_id}:{shard}}}"
+        self.stream_key = f"{prefix}:groups"
+        self.prefix = f"{prefix}:admission"
+        self.learner_key, self.queued_key = f"{self.prefix}:learner", f"{self.prefix}:queued"
+        self.leases_key = f"{self.prefix}:leases"
+        scripts = dict(decide=_DECIDE, heartbeat=_HEARTBEAT, release=_RELEASE, count=_COUNT)
+        self._lua = {name: self._client.register_script(src) for name, src in scripts.items()}
+
+    @classmethod
+    def from_config(cls, config: Config, url: str, run_id: str, **kwargs: Any) -> RedisAdmission:
+        """Admission for `config` at `url` (or `config.buffer.url` when `url` is empty).
+
+        Raises:
+          ValueError: neither names a server.
+        """
+        url = url or config.buffer.url
+        if not url:
+            raise ValueError("no Redis URL: set buffer.url or pass the embedded server's url")
+        return cls(url, AdmissionLimits.from_config(config), run_id=run_id,
+                   password=config.buffer.password or None, **kwargs)
+
+    def _actor_key(self, actor_id: str) -> str:
+        return f"{self.prefix}:actor:{actor_id}"
+
+    def _call(self, what: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """Runs one request, retrying a lost connection with exponential backoff."""
+        start, delay, retries = time.monotonic(), 0.05, 0
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except redis.AuthenticationError as error:
+                raise AdmissionError(f"Redis at {self._where} refused authentication during "
+                                     f"admission {what} ({error}); set buffer.password") from None
+            except (redis.ConnectionError, redis.TimeoutError) as error:
+                elapsed = time.monotonic() - start
+                if elapsed + delay > self.retry_s:
+                    raise AdmissionError(
+                        f"lost the connection to Redis at {self._where} during admission {what} "
+                        f"and gave up after {retries} retries over {elapsed:.1f} s: {error}"
+                    ) from error
+                retries += 1
+                log.warning("admission %s at %s failed (%s); retry %d in %.2f s", what,
+                            self._where, error, retries, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def learner_update(self, version: int, since_publish: int, queued: int, step_s: float,
+                       host: str = "0") -> None:
+        check_update(version, since_publish, queued, step_s)
+        check_name("host", host)
+
+        def write() -> None:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.hset(self.learner_key, mapping={
+                "version": int(version), "since_publish": int(since_publish),
+                "step_s": repr(float(step_s)), "updated_ms": int(time.time() * 1000)})
+            pipe.hset(self.queued_key, host, int(queued))
+            pipe.execute()
+
+        self._call("learner_update", write)
+
+    def _decide(self, actor_id: str, weights_version: int, p90_episode_s: float | None,
+                reserve: bool) -> tuple[Forecast, Lease | None]:
+        member = new_lease_id(actor_id)
+        p90 = "" if p90_episode_s is None else repr(float(p90_episode_s))
+        lim = self.limits
+        reply = self._call(
+            "try_admit" if reserve else "forecast", self._lua["decide"],
+            keys=[self.learner_key, self.queued_key, self.leases_key, self._actor_key(actor_id),
+                  self.stream_key],
+            args=[GROUP, "1" if reserve else "0", member, self._ttl_ms, int(weights_version), p90,
+                  lim.groups_per_batch, lim.publish_every, lim.max_policy_lag,
+                  repr(float(lim.max_age_s))])
+        reason, version, since, queued, depth, in_flight, step_s = reply
+        state = LearnerState(int(version), int(since), int(queued), float(_str(step_s)))
+        forecast = decide(state, int(depth), int(in_flight), lim, weights_version, p90_episode_s)
+        if forecast.reason != _str(reason):  # the script and `decide` must agree
+            raise AdmissionError(f"admission script decided {_str(reason)!r} but the rule says "
+                                 f"{forecast.reason!r} for {forecast}; a bug, please report it")
+        if not (reserve and forecast.admitted):
+            return forecast, None
+        return forecast, Lease(member, actor_id, weights_version, forecast.trained_at,
+                               forecast.queued_ahead)
+
+    def release(self, lease: Lease) -> bool:
+        return bool(self._call("release", self._lua["release"],
+                               keys=[self.leases_key, self._actor_key(lease.actor_id)],
+                               args=[lease.lease_id]))
+
+    def heartbeat(self, actor_id: str) -> int:
+        check_name("actor_id", actor_id)
+        return int(self._call("heartbeat", self._lua["heartbeat"],
+                              keys=[self.leases_key, self._actor_key(actor_id)],
+                              args=[self._ttl_ms]))
+
+    def in_flight(self, actor_id: str | None = None) -> int:
+        keys = [self.leases_key]
+        if actor_id is not None:
+            keys.append(self._actor_key(check_name("actor_id", actor_id)))
+        return int(self._call("in_flight", self._lua["count"], keys=keys, args=[]))
+
+    def learner_state(self) -> LearnerState:
+        """What the learner last reported (zeros before its first report)."""
+        fields = self._call("learner_state", self._client.hmget, self.learner_key,
+                            ["version", "since_publish", "step_s"])
+        queued = self._call("learner_state", self._client.hvals, self.queued_key)
+        version, since, step_s = (_str(f) if f is not None else "0" for f in fields)
+        return LearnerState(int(version), int(since), sum(int(q) for q in queued), float(step_s))
+
+    def drop(self) -> None:
+        """Deletes this run's admission keys (learner state, leases, per-actor sets)."""
+        actors = self._call("drop", lambda: list(
+            self._client.scan_iter(match=f"{self.prefix}:actor:*")))
+        self._call("drop", self._client.delete, self.learner_key, self.queued_key,
+                   self.leases_key, *actors)
+
+    def close(self) -> None:
+        if self._own_client:
+            self._client.close()

@@ -1,0 +1,172 @@
+"""What every launcher shares: periodic greedy evaluation, the report-and-watch loop, the summary.
+
+The loop writes metrics to the sinks, refreshes the live view and ends the run on the first stop
+condition: the learner finished (`run.max_steps`), `run.max_wall_s`, the evaluation target reached
+(`run.stop_at_target`), a worker's failure, or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from headrace.actor.evaluate import eval_seeds, evaluate
+from headrace.config import Config
+from headrace.metrics.core import Metrics
+from headrace.metrics.sinks import JsonlSink, LiveView, TensorBoardSink
+from headrace.model import params as params_lib
+from headrace.runtime import build
+from headrace.weights.base import VersionGone, WeightStore
+
+log = logging.getLogger(__name__)
+
+
+class Evaluator:
+    """Greedy evaluation of published versions, on its own thread (never the learner's)."""
+
+    def __init__(self, config: Config, task: build.Task, graphdef, weights: WeightStore,
+                 metrics: Metrics, t0: float, episodes: Callable[[], float]):
+        self.config = config
+        self.task = task
+        self.weights = weights
+        self.metrics = metrics
+        self.t0 = t0
+        self.episodes = episodes
+        self.sampler = build.make_sampler(config, task, graphdef, seed=config.run.seed + 7)
+        probe = task.make_env()
+        self.seeds = eval_seeds(probe, 64)
+        probe.close()
+        self.requests: queue.Queue[tuple[int, int]] = queue.Queue()
+        self.curve: list[dict[str, float]] = []
+        self.time_to_target_s: float | None = None
+        self.reached = threading.Event()
+        self._next_step = config.run.eval_every
+
+    def maybe_request(self, step: int) -> None:
+        """Queues an evaluation of the newest weights when `step` crosses the next eval point."""
+        every = self.config.run.eval_every
+        if every and step >= self._next_step:
+            self._next_step = (step // every + 1) * every
+            self.requests.put((step, self.weights.latest_version()))
+
+    def evaluate_version(self, step: int, version: int) -> dict[str, float]:
+        self.sampler.set_params(params_lib.from_host(self.weights.load(version)), version)
+        result = evaluate(self.task.make_env, self.task.tokenizer, self.sampler, self.seeds,
+                          self.config.env.step_timeout_s, self.config.actor.max_batch)
+        wall = time.time() - self.t0
+        self.curve.append({"wall_s": round(wall, 2), "step": step, "version": version,
+                           "episodes": self.episodes(), "success_rate": result["success_rate"]})
+        self.metrics.gauge("eval/success_rate", result["success_rate"])
+        if result["success_rate"] >= self.config.run.eval_target and self.time_to_target_s is None:
+            self.time_to_target_s = wall
+            self.reached.set()
+        log.info("eval step %d: success %.3f at %.1f s", step, result["success_rate"], wall)
+        return result
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                step, version = self.requests.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            while not self.requests.empty():  # fall behind gracefully: evaluate the newest
+                step, version = self.requests.get_nowait()
+            try:
+                self.evaluate_version(step, version)
+            except VersionGone:  # pruned meanwhile: the next request will do
+                continue
+
+
+class Background:
+    """A daemon thread running `fn(stop_event)`, stopped and joined by `stop()`."""
+
+    def __init__(self, name: str, fn: Callable[[threading.Event], None]):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=fn, args=(self._stop,), name=name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+
+def start_thread(name: str, fn: Callable[[threading.Event], None]) -> Background:
+    return Background(name, fn)
+
+
+class Reporter:
+    """metrics.jsonl + TensorBoard + the live view, fed from one merged snapshot."""
+
+    def __init__(self, config: Config, run_dir: pathlib.Path, live: bool):
+        self.config = config
+        self.sinks = [JsonlSink(run_dir / "metrics.jsonl"),
+                      TensorBoardSink(run_dir / "tensorboard")]
+        self.view = LiveView(f"headrace train {config.env.name}", enabled=live)
+        self._last_step = -1
+
+    def report(self, step: int, snapshot: dict[str, float], elapsed_s: float,
+               force: bool = False) -> None:
+        every = self.config.run.log_every
+        if force or step // every != self._last_step // every:
+            for sink in self.sinks:
+                sink.write(step, snapshot)
+            self._last_step = step
+        self.view.update(snapshot, elapsed_s)
+
+    def close(self) -> None:
+        self.view.close()
+        for sink in self.sinks:
+            sink.close()
+
+
+def watch(config: Config, t0: float, *, snapshot: Callable[[], dict[str, float]],
+          reporter: Reporter, evaluator: Evaluator, failed: Callable[[], bool],
+          finished: Callable[[], bool], tick: Callable[[], None] = lambda: None) -> str:
+    """Reports every half second until a stop condition; returns which one stopped the run."""
+    try:
+        while True:
+            time.sleep(0.5)
+            tick()
+            current = snapshot()
+            step = int(current.get("learner/step", 0))
+            evaluator.maybe_request(step)
+            reporter.report(step, current, time.time() - t0)
+            if failed():
+                return "error"
+            if finished():
+                return "max_steps"
+            if config.run.max_wall_s and time.time() - t0 >= config.run.max_wall_s:
+                return "max_wall_s"
+            if config.run.stop_at_target and evaluator.reached.is_set():
+                return "target"
+    except KeyboardInterrupt:
+        return "interrupted"
+
+
+def finish(run_dir: pathlib.Path, t0: float, evaluator: Evaluator, reporter: Reporter,
+           snapshot: dict[str, float], stopped_by: str, errors: list[str]) -> dict[str, Any]:
+    """Final greedy evaluation of the last weights, last metrics record, summary.json."""
+    step = int(snapshot.get("learner/step", 0))
+    final = evaluator.evaluate_version(step, evaluator.weights.latest_version())
+    snapshot = {**snapshot, "eval/success_rate": final["success_rate"]}
+    reporter.report(step, snapshot, time.time() - t0, force=True)
+    reporter.close()
+    summary = {
+        "final_success_rate": final["success_rate"],
+        "time_to_target_s": evaluator.time_to_target_s,
+        "learner_utilization": snapshot.get("learner/utilization", 0.0),
+        "steps": step,
+        "episodes": int(snapshot.get("actor/episodes", 0)),
+        "wall_s": round(time.time() - t0, 2),
+        "stopped_by": stopped_by,
+        "errors": errors,
+        "run_dir": str(run_dir),
+        "eval_curve": evaluator.curve,
+    }
+    build.write_json(run_dir / "summary.json", summary)
+    return summary

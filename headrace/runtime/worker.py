@@ -1,0 +1,103 @@
+"""Entry points of the learner and actor processes (spawned by the processes launcher).
+
+Each child ties its life to the supervisor (SIGKILL when the parent dies, Linux PR_SET_PDEATHSIG),
+turns SIGTERM/SIGINT into its stop event, pins itself to its CPUs and limits XLA's threads before
+JAX is imported, then builds its component from the config and runs it. Metrics go to Redis
+(`headrace.metrics.remote`). A child that fails logs the error and exits non-zero; the supervisor
+restarts actors with backoff and ends the run when the learner fails.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+
+
+def _setup(name: str, cpus: tuple[int, ...], xla_threads: int) -> threading.Event:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == 1:  # the supervisor died before we got here
+        sys.exit(1)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    if xla_threads:
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = (f"{flags} --xla_cpu_multi_thread_eigen=false "
+                                   f"intra_op_parallelism_threads={xla_threads}").strip()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s")
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
+    return stop
+
+
+def _common(config_data: dict[str, Any], run_dir: str):
+    from headrace.config import load
+    from headrace.runtime import build
+
+    config = load(data=config_data)
+    task = build.build_task(config)
+    weights = build.make_weights(config, run_dir)
+    return config, task, weights
+
+
+def learner_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: str,
+                 cpus: tuple[int, ...]) -> None:
+    stop = _setup("learner", cpus, 1 if cpus else 0)
+    from headrace.learner.loop import Learner
+    from headrace.metrics.core import Metrics
+    from headrace.metrics.remote import Publisher
+    from headrace.runtime import build
+
+    config, task, weights = _common(config_data, run_dir)
+    buffer = build.make_buffer(config, url=url, run_id=run_id, consumer="learner-0")
+    graphdef, params = build.init_params(config, task)
+    metrics = Metrics()
+    publisher = Publisher(buffer.client, run_id, "learner", metrics, extra=buffer.stats).start()
+    learner = Learner(config, graphdef, params, buffer, weights, metrics, stop,
+                      allowed_v=task.sampler_settings.allowed_mask(task.dims.vocab_size))
+    if weights.latest_version() < 0:
+        learner.publish()  # version 0, before any actor starts
+    try:
+        learner.run()
+    finally:
+        publisher.stop()
+        buffer.close()
+
+
+def actor_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: str, index: int,
+               cpus: tuple[int, ...]) -> None:
+    stop = _setup(f"actor-{index}", cpus, 0)
+    from headrace.actor.actor import Actor
+    from headrace.metrics.core import Metrics
+    from headrace.metrics.remote import Publisher
+    from headrace.model import params as params_lib
+    from headrace.runtime import build
+
+    config, task, weights = _common(config_data, run_dir)
+    name = f"actor-{index}"
+    buffer = build.make_buffer(config, url=url, run_id=run_id, consumer=name)
+    metrics = Metrics()
+    publisher = Publisher(buffer.client, run_id, name, metrics, extra=buffer.stats).start()
+    graphdef = params_lib.graphdef(task.dims)
+    sampler = build.make_sampler(config, task, graphdef, seed=config.run.seed + 100 + index)
+    try:
+        Actor(config, name, task.make_env, task.tokenizer, sampler, buffer, weights, metrics,
+              stop).run()
+    finally:
+        publisher.stop()
+        buffer.close()
+
+

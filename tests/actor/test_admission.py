@@ -1,0 +1,345 @@
+"""Admission control (DESIGN.md, "Admission"): the forecast against a step-by-step reference, and
+one suite run against both backends (in-process, and Redis via the session's real redis-server)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import threading
+import time
+
+import pytest
+
+from headrace.actor.admission import (
+    REFUSED_AGE,
+    REFUSED_LAG,
+    AdmissionError,
+    AdmissionLimits,
+    Heartbeat,
+    InProcessAdmission,
+    admit,
+    decide,
+    trained_at_version,
+    wait_admit,
+)
+from headrace.actor.admission_redis import RedisAdmission
+from headrace.buffer import MemoryBuffer, RedisBuffer
+
+BACKENDS = ["memory", "redis"]
+
+
+def reference_trained_at(version: int, since_publish: int, queued_ahead: int,
+                         groups_per_batch: int, publish_every: int) -> int:
+    """Plays the learner step by step: each step trains the next `groups_per_batch` groups in
+    arrival order at the current version, and every `publish_every`-th step publishes."""
+    left, steps = queued_ahead, since_publish
+    while True:
+        if left <= groups_per_batch:
+            return version  # the new group (the last of the queue) is in this step
+        left -= groups_per_batch
+        steps += 1
+        if steps == publish_every:
+            version, steps = version + 1, 0
+
+
+@pytest.mark.parametrize("v, s, q, gpb, pe, expected", [
+    (0, 0, 1, 4, 1, 0),     # empty queue: trained at the current version
+    (0, 0, 4, 4, 1, 0),     # fills the first batch exactly
+    (0, 0, 5, 4, 1, 1),     # spills into the second batch: one publish later
+    (0, 0, 9, 4, 1, 2),
+    (3, 0, 12, 4, 1, 5),    # three batches, publish every step
+    (3, 1, 1, 4, 2, 3),     # s=1 of 2: the next step is still at version 3
+    (3, 1, 5, 4, 2, 4),     # the second step comes after a publish
+    (3, 1, 13, 4, 2, 5),    # four batches: 3 + floor((1 + 4 - 1) / 2)
+    (7, 2, 1, 8, 3, 7),
+    (7, 2, 9, 8, 3, 8),     # s=2 of 3: the very next step publishes first
+    (7, 0, 17, 8, 3, 7),    # three batches within one publish period
+    (7, 0, 25, 8, 3, 8),
+])
+def test_formula_hand_computed(v, s, q, gpb, pe, expected):
+    assert trained_at_version(v, s, q, gpb, pe) == expected
+    assert reference_trained_at(v, s, q, gpb, pe) == expected
+
+
+def test_formula_matches_step_by_step_reference():
+    for v, gpb, pe in itertools.product((0, 5), (1, 2, 3, 7), (1, 2, 4)):
+        for s in range(pe):
+            for q in range(1, 40):
+                assert trained_at_version(v, s, q, gpb, pe) == \
+                    reference_trained_at(v, s, q, gpb, pe), (v, s, q, gpb, pe)
+
+
+class Harness:
+    """Builds admission and a buffer of one kind; Redis ones share the test's run id."""
+
+    def __init__(self, kind: str, request):
+        self.kind, self._request = kind, request
+        self._opened: list = []
+        self.buffer = None
+
+    def make(self, limits: AdmissionLimits, lease_ttl_s: float = 30.0):
+        if self.kind == "memory":
+            self.buffer = MemoryBuffer(capacity=64)
+            admission = InProcessAdmission(limits, depth=self.buffer.depth,
+                                           lease_ttl_s=lease_ttl_s)
+            self._shared = admission
+        else:
+            server = self._request.getfixturevalue("redis_server")
+            self._url, self._run_id = server.url, self._request.getfixturevalue("run_id")
+            self.buffer = RedisBuffer(self._url, run_id=self._run_id, consumer="learner0")
+            self._opened.append(self.buffer)
+            admission = RedisAdmission(self._url, limits, run_id=self._run_id,
+                                       lease_ttl_s=lease_ttl_s)
+        self._limits, self._ttl = limits, lease_ttl_s
+        self._opened.append(admission)
+        return admission
+
+    def another(self):
+        """What a second actor process sees: the same state through its own connection."""
+        if self.kind == "memory":
+            return self._shared
+        admission = RedisAdmission(self._url, self._limits, run_id=self._run_id,
+                                   lease_ttl_s=self._ttl)
+        self._opened.append(admission)
+        return admission
+
+    def close(self):
+        for thing in reversed(self._opened):
+            if hasattr(thing, "drop"):
+                thing.drop()
+            thing.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def harness(request):
+    h = Harness(request.param, request)
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def test_forecast_counts_queued_buffered_and_in_flight(harness, group_factory):
+    adm = harness.make(AdmissionLimits(groups_per_batch=4, publish_every=2, max_policy_lag=10))
+    harness.buffer.put([group_factory(i) for i in range(3)], timeout_s=5)
+    assert len(harness.buffer.get(1, timeout_s=5)) == 1  # delivered: now the learner's to count
+    adm.learner_update(version=3, since_publish=1, queued=4, step_s=0.5)
+    assert adm.try_admit("a", 3) is not None and adm.try_admit("a", 3) is not None
+    f = adm.forecast(3)
+    assert (f.learner_queued, f.depth, f.in_flight, f.queued_ahead, f.batches) == (4, 2, 2, 9, 3)
+    assert (f.trained_at, f.lag, f.expected_wait_s, f.admitted) == (4, 1, 1.5, True)
+    assert adm.in_flight() == 2 and adm.in_flight("a") == 2 and adm.in_flight("b") == 0
+
+    adm.learner_update(version=3, since_publish=1, queued=4, step_s=0.5, host="1")
+    f = adm.forecast(3)
+    assert (f.learner_queued, f.queued_ahead, f.batches, f.trained_at) == (8, 13, 4, 5)
+    assert f.as_dict()["trained_at"] == 5
+
+
+def test_backend_agrees_with_rule(harness):
+    rng = random.Random(0)
+    for limits in (AdmissionLimits(3, 1, 2), AdmissionLimits(5, 3, 1, max_age_s=4.0)):
+        adm = harness.make(limits)
+        for _ in range(30):
+            adm.learner_update(rng.randrange(10), rng.randrange(limits.publish_every),
+                               rng.randrange(20), rng.choice([0.0, 0.1, 1 / 3, 0.7]))
+            weights, p90 = rng.randrange(12), rng.choice([None, 0.5, 1.1, 3.9])
+            got = adm.forecast(weights, p90)
+            want = decide(adm.learner_state(), 0, 0, limits, weights, p90)
+            assert got == want
+
+
+def test_old_weights_refused_until_newer_version(harness):
+    adm = harness.make(AdmissionLimits(groups_per_batch=2, publish_every=1, max_policy_lag=1))
+    adm.learner_update(version=5, since_publish=0, queued=0, step_s=0.0)
+    assert adm.try_admit("a", 3) is None
+    assert adm.forecast(3).reason == REFUSED_LAG and adm.forecast(3).lag == 2
+    lease = adm.try_admit("a", 4)
+    assert lease is not None and (lease.trained_at, lease.queued_ahead) == (5, 1)
+    assert adm.try_admit("a", 4) is not None  # Q=2: still the first batch
+    assert adm.try_admit("a", 4) is None  # Q=3 spills into version 6
+    assert adm.try_admit("a", 5) is not None  # newer weights may take it
+    assert adm.in_flight() == 3
+
+
+@pytest.mark.timeout(30)
+def test_racing_actors_never_exceed_the_limit(harness):
+    slots = 5  # lag 0, version 0: admissible while Q <= groups_per_batch
+    harness.make(AdmissionLimits(groups_per_batch=slots, publish_every=1, max_policy_lag=0))
+    views = [harness.another() for _ in range(8)]
+    start = threading.Barrier(len(views), timeout=10)
+    lock, holding, seen_max, granted, errors = threading.Lock(), [0], [0], [0], []
+
+    def actor(index: int) -> None:
+        try:
+            adm, name = views[index], f"actor{index}"
+            start.wait()
+            first = adm.try_admit(name, 0)  # everyone races for the first round at once
+            leases = [first] if first else []
+            for _ in range(30):
+                lease = leases.pop() if leases else adm.try_admit(name, 0)
+                if lease is None:
+                    continue
+                with lock:
+                    granted[0] += 1
+                    holding[0] += 1
+                    seen_max[0] = max(seen_max[0], holding[0])
+                time.sleep(0.001)
+                with lock:
+                    holding[0] -= 1
+                assert adm.release(lease)
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=actor, args=(i,)) for i in range(len(views))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(25)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert seen_max[0] <= slots and granted[0] >= slots
+    assert views[0].in_flight() == 0
+
+    # One round, all at once: exactly `slots` winners.
+    winners = []
+    barrier = threading.Barrier(len(views), timeout=10)
+
+    def grab(index: int) -> None:
+        barrier.wait()
+        if views[index].try_admit(f"actor{index}", 0) is not None:
+            with lock:
+                winners.append(index)
+
+    threads = [threading.Thread(target=grab, args=(i,)) for i in range(len(views))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(winners) == slots and views[0].in_flight() == slots
+
+
+@pytest.mark.timeout(15)
+def test_crashed_actor_leases_expire(harness):
+    adm = harness.make(AdmissionLimits(2, 1, 0), lease_ttl_s=0.3)
+    crashed = [adm.try_admit("crashed", 0), adm.try_admit("crashed", 0)]
+    assert all(crashed) and adm.try_admit("alive", 0) is None
+    time.sleep(0.45)  # no heartbeat: the TTL passes
+    assert adm.in_flight() == 0 and adm.heartbeat("crashed") == 0
+    assert adm.try_admit("alive", 0) is not None
+    assert not adm.release(crashed[0])  # expired: releasing it is a no-op
+
+
+@pytest.mark.timeout(15)
+def test_heartbeat_keeps_leases_alive(harness):
+    adm = harness.make(AdmissionLimits(2, 1, 0), lease_ttl_s=0.3)
+    assert adm.try_admit("a", 0) and adm.try_admit("a", 0)
+    with Heartbeat(harness.another(), "a", every_s=0.06) as beat:
+        time.sleep(0.8)  # well past the TTL
+        assert adm.in_flight("a") == 2 and adm.try_admit("b", 0) is None
+    assert beat.beats >= 5 and beat.failures == 0
+    assert adm.heartbeat("a") == 2
+    time.sleep(0.45)
+    assert adm.in_flight() == 0 and adm.try_admit("b", 0) is not None
+
+
+def test_release_frees_the_slot(harness):
+    adm = harness.make(AdmissionLimits(1, 1, 0))
+    lease = adm.try_admit("a", 0)
+    assert lease is not None and adm.try_admit("b", 0) is None
+    assert adm.release(lease) and not adm.release(lease)
+    assert adm.try_admit("b", 0) is not None and adm.in_flight("b") == 1
+
+
+def test_max_age_refusal(harness):
+    adm = harness.make(AdmissionLimits(2, 1, max_policy_lag=100, max_age_s=10.0))
+    adm.learner_update(version=0, since_publish=0, queued=5, step_s=2.0)  # Q=6: 3 batches, 6 s
+    assert adm.forecast(0, p90_episode_s=4.0).expected_wait_s == 6.0
+    assert adm.forecast(0, p90_episode_s=4.5).reason == REFUSED_AGE  # 6 + 4.5 > 10
+    assert adm.try_admit("a", 0, p90_episode_s=4.0) is not None  # 6 + 4 <= 10
+    f = adm.forecast(0, p90_episode_s=3.5)  # Q=7 now: 4 batches, 8 s
+    assert (f.expected_wait_s, f.reason) == (8.0, REFUSED_AGE)
+    assert adm.try_admit("a", 0, p90_episode_s=3.5) is None
+    assert adm.try_admit("a", 0, p90_episode_s=None) is not None  # no estimate yet: no age check
+    off = harness.make(AdmissionLimits(2, 1, max_policy_lag=100))
+    off.learner_update(version=0, since_publish=0, queued=50, step_s=2.0)
+    assert off.try_admit("a", 0, p90_episode_s=1e6) is not None  # max_age_s=0: off
+
+
+@pytest.mark.timeout(15)
+def test_admit_waits_for_newer_weights_and_measures_it(harness):
+    adm = harness.make(AdmissionLimits(1, 1, max_policy_lag=1))
+    adm.learner_update(version=5, since_publish=0, queued=0, step_s=0.0)
+    weights = [3]
+    timer = threading.Timer(0.3, lambda: weights.__setitem__(0, 4))  # the actor picks up v4
+    timer.start()
+    try:
+        got = admit(adm, "a", lambda: weights[0], stop=threading.Event(), poll_s=0.02,
+                    max_poll_s=0.05)
+    finally:
+        timer.cancel()
+    assert got.lease is not None and got.lease.weights_version == 4
+    assert 0.25 <= got.wait_s < 3 and got.attempts > 1 and got.last.reason == REFUSED_LAG
+
+
+@pytest.mark.timeout(15)
+def test_admit_ends_on_stop_and_timeout(harness):
+    adm = harness.make(AdmissionLimits(1, 1, 0))
+    assert adm.try_admit("a", 0) is not None
+    stop = threading.Event()
+    timer = threading.Timer(0.2, stop.set)
+    timer.start()
+    try:
+        got = admit(adm, "b", 0, stop=stop, poll_s=0.05, max_poll_s=5.0)  # a stop wakes it
+    finally:
+        timer.cancel()
+    assert got.lease is None and 0.15 <= got.wait_s < 1.5
+    got = admit(adm, "b", 0, stop=threading.Event(), timeout_s=0.2)
+    assert got.lease is None and 0.15 <= got.wait_s < 1.5 and got.last.reason == REFUSED_LAG
+
+
+@pytest.mark.timeout(15)
+def test_wait_admit_async_after_release(harness):
+    adm = harness.make(AdmissionLimits(1, 1, 0))
+    held = adm.try_admit("a", 0)
+    timer = threading.Timer(0.2, adm.release, args=(held,))
+    timer.start()
+    try:
+        got = asyncio.run(wait_admit(adm, "b", 0, stop=threading.Event(), poll_s=0.02,
+                                     max_poll_s=0.05, timeout_s=5))
+    finally:
+        timer.cancel()
+    assert got.lease is not None and got.lease.actor_id == "b" and got.wait_s >= 0.15
+
+
+def test_bad_input_is_refused_with_a_reason():
+    with pytest.raises(ValueError, match="groups_per_batch"):
+        AdmissionLimits(0, 1, 1)
+    with pytest.raises(ValueError, match="max_policy_lag"):
+        AdmissionLimits(1, 1, -1)
+    adm = InProcessAdmission(AdmissionLimits(1, 1, 0))
+    with pytest.raises(ValueError, match="actor_id"):
+        adm.try_admit("a b", 0)
+    with pytest.raises(ValueError, match="weights_version"):
+        adm.try_admit("a", -1)
+    with pytest.raises(ValueError, match="since_publish"):
+        adm.learner_update(1, -1, 0, 0.0)
+    with pytest.raises(ValueError, match="poll_s"):
+        admit(adm, "a", 0, stop=threading.Event(), poll_s=0)
+    with pytest.raises(ValueError, match="lease_ttl_s"):
+        InProcessAdmission(AdmissionLimits(1, 1, 0), lease_ttl_s=0)
+    with pytest.raises(ValueError, match="run_id"):
+        RedisAdmission("redis://127.0.0.1:1", AdmissionLimits(1, 1, 0), run_id="a b")
+
+
+@pytest.mark.timeout(10)
+def test_unreachable_redis_raises_admission_error():
+    adm = RedisAdmission("redis://127.0.0.1:1", AdmissionLimits(1, 1, 0), run_id="r",
+                         retry_s=0.2, socket_timeout_s=0.5)
+    try:
+        start = time.monotonic()
+        with pytest.raises(AdmissionError, match="gave up"):
+            adm.try_admit("a", 0)
+        assert time.monotonic() - start < 3
+    finally:
+        adm.close()
