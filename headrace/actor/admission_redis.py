@@ -101,7 +101,7 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local ttl, live = tonumber(ARGV[1]), 0
 for _, m in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   if redis.call('ZSCORE', KEYS[1], m) then
-    -- x
+    redis.call('ZADD', KEYS[1], 'XX', now + ttl, m)
     live = live + 1
   else
     redis.call('SREM', KEYS[2], m)
