@@ -296,6 +296,9 @@ class Config:
     parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self):
+        _check(self.run.mode != "sync" or self.learner.publish_every == 1,
+               "learner.publish_every", self.learner.publish_every,
+               "run.mode sync publishes after every step: must be 1")
         _check(self.model.max_len >= self.shapes.buckets[-1], "model.max_len", self.model.max_len,
                f"must be >= the largest bucket {self.shapes.buckets[-1]}")
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from headrace.actor.episode import EpisodeResult, run_episode
 from headrace.actor.policy import BatchedPolicy, WeightSync
+from headrace.buffer.admission import Admission, Heartbeat, wait_admit
 from headrace.buffer.base import Buffer, BufferFull
 from headrace.config import Config
 from headrace.env.base import Env
@@ -51,8 +52,9 @@ def to_trajectory(result: EpisodeResult, *, trajectory_id: str, group_id: str, t
 class Actor:
     def __init__(self, config: Config, actor_id: str, make_env: Callable[[], Env],
                  tokenizer: Tokenizer, sampler: Sampler, buffer: Buffer, weights: WeightStore,
-                 metrics: Metrics, stop: threading.Event):
+                 metrics: Metrics, stop: threading.Event, admission: Admission | None = None):
         self.config = config
+        self.admission = admission
         self.actor_id = actor_id
         self.make_env = make_env
         self.tokenizer = tokenizer
@@ -68,6 +70,7 @@ class Actor:
         self._sampling = {"temperature": config.sampling.temperature,
                           "top_k": config.sampling.top_k, "top_p": config.sampling.top_p}
         self._blocked_s = 0.0
+        self._in_flight = 0
         self._started = time.monotonic()
 
     def run(self) -> None:
@@ -80,7 +83,8 @@ class Actor:
         pool = concurrent.futures.ThreadPoolExecutor(min(actor.envs_per_actor + 4, MAX_THREADS),
                                                      thread_name_prefix=f"{self.actor_id}-io")
         asyncio.get_running_loop().set_default_executor(pool)
-        sync = WeightSync(self.weights, self.sampler, self.metrics, self.config.staleness.forced_lag)
+        sync = self._sync = WeightSync(self.weights, self.sampler, self.metrics,
+                                       self.config.staleness.forced_lag)
         while not sync.refresh(force=True):  # version 0 is published before actors start
             if self.stop.wait(0.05):
                 return
@@ -91,10 +95,15 @@ class Actor:
         tasks = [asyncio.create_task(policy.serve())]
         tasks += [asyncio.create_task(self._slot(envs[i:i + g], policy))
                   for i in range(0, len(envs), g)]
+        heartbeat = Heartbeat(self.admission, self.actor_id) if self.admission else None
+        if heartbeat is not None:
+            heartbeat.start()
         try:
             while not self.stop.is_set():
                 await asyncio.sleep(0.05)
         finally:
+            if heartbeat is not None:
+                heartbeat.stop()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -105,20 +114,48 @@ class Actor:
     async def _slot(self, envs: list[Env], policy: BatchedPolicy) -> None:
         env_cfg = self.config.env
         while not self.stop.is_set():
-            seed = next(self._task_seeds)
-            task_id = f"{env_cfg.name}/{seed}"
-            group_id = f"{self._id_prefix}-{next(self._group_numbers)}"
-            self.metrics.gauge("actor/in_flight", policy.live)
-            results = await asyncio.gather(*[
-                run_episode(env, seed, policy, self.tokenizer, self.metrics, env_cfg.step_timeout_s)
-                for env in envs])
-            group = Group(group_id, task_id, [
-                to_trajectory(r, trajectory_id=f"{group_id}.{j}", group_id=group_id,
-                              task_id=task_id, env_name=env_cfg.name, actor_id=self.actor_id,
-                              sampling=self._sampling) for j, r in enumerate(results)])
-            self._record(results)
-            with policy.stepping_away():
-                await self._put(group)
+            lease = await self._admit()
+            if lease is None and self.admission is not None:
+                return  # stopping
+            try:
+                seed = next(self._task_seeds)
+                task_id = f"{env_cfg.name}/{seed}"
+                group_id = f"{self._id_prefix}-{next(self._group_numbers)}"
+                self._in_flight += 1
+                self.metrics.gauge("actor/in_flight", self._in_flight)
+                results = await asyncio.gather(*[
+                    run_episode(env, seed, policy, self.tokenizer, self.metrics,
+                                env_cfg.step_timeout_s) for env in envs])
+                group = Group(group_id, task_id, [
+                    to_trajectory(r, trajectory_id=f"{group_id}.{j}", group_id=group_id,
+                                  task_id=task_id, env_name=env_cfg.name, actor_id=self.actor_id,
+                                  sampling=self._sampling) for j, r in enumerate(results)])
+                self._record(results)
+                with policy.stepping_away():
+                    await self._put(group)
+            finally:
+                self._in_flight -= 1
+                if lease is not None:
+                    self.admission.release(lease)
+
+    async def _admit(self):
+        """Waits for admission (DESIGN.md "Admission"); None when there is none, or on stop."""
+        if self.admission is None:
+            return None
+
+        def weights_version() -> int:
+            self._sync.refresh()  # refused for old weights: newer ones may be out
+            return self.sampler.version
+
+        def p90_episode_s() -> float | None:
+            dist = self.metrics.distribution("actor/episode_s")
+            return dist.quantiles((0.9,))[0] if dist is not None and dist.count >= 8 else None
+
+        admitted = await wait_admit(self.admission, self.actor_id, weights_version,
+                                    stop=self.stop, p90_episode_s=p90_episode_s,
+                                    poll_s=0.005, max_poll_s=0.05)
+        self.metrics.observe("actor/admission_wait_s", admitted.wait_s)
+        return admitted.lease
 
     def _record(self, results: list[EpisodeResult]) -> None:
         m = self.metrics
@@ -126,6 +163,8 @@ class Actor:
         m.average_many("reward/mean", [r.reward for r in results])
         m.average_many("reward/success_rate", [float(r.success) for r in results])
         m.average_many("episode/length_mean", [r.builder.length for r in results])
+        m.observe_many("actor/episode_s", [r.timings["finished"] - r.timings["started"]
+                                           for r in results])
 
     async def _put(self, group: Group) -> None:
         """Writes the group, waiting out backpressure in short slices so a stop is never held up.

@@ -22,6 +22,7 @@ import time
 import jax
 import numpy as np
 
+from headrace.buffer.admission import Admission
 from headrace.buffer.base import Buffer
 from headrace.config import Config
 from headrace.learner.batching import Batcher
@@ -38,8 +39,10 @@ log = logging.getLogger(__name__)
 
 class Learner:
     def __init__(self, config: Config, graphdef, params, buffer: Buffer, weights: WeightStore,
-                 metrics: Metrics, stop: threading.Event, allowed_v: np.ndarray | None = None):
+                 metrics: Metrics, stop: threading.Event, allowed_v: np.ndarray | None = None,
+                 admission: Admission | None = None):
         self.config = config
+        self.admission = admission
         self.buffer = buffer
         self.weights = weights
         self.metrics = metrics
@@ -60,6 +63,7 @@ class Learner:
         self._first_step_at: float | None = None
         self._busy_s = 0.0
         self._tokens = 0
+        self._gathered = 0  # entries taken off the queue for the batch being assembled
         self.done = threading.Event()
         compiles.install()
 
@@ -71,6 +75,14 @@ class Learner:
         self.metrics.observe("weights/publish_s", time.perf_counter() - start)
         self._since_publish = 0
 
+    def _report_state(self) -> None:
+        """Tells admission control where the learner is (version, steps since publish, queue)."""
+        if self.admission is not None:
+            step_s = self.metrics.distribution("learner/step_s")
+            self.admission.learner_update(self.version, self._since_publish,
+                                          self._queue.qsize() + self._gathered,
+                                          step_s.mean() if step_s is not None else 0.0)
+
     # --- reading -------------------------------------------------------------------------------
 
     def _read(self) -> None:
@@ -80,8 +92,11 @@ class Learner:
                 if room <= 0:
                     time.sleep(0.001)
                     continue
-                for entry in self.buffer.get(room, timeout_s=0.1):
+                entries = self.buffer.get(room, timeout_s=0.1)
+                for entry in entries:
                     self._queue.put(entry)
+                if entries:
+                    self._report_state()
         except Exception:
             log.exception("learner reader failed")
             self.stop.set()
@@ -106,6 +121,7 @@ class Learner:
                 self._unacked.append(entry.id)
                 continue
             entries.append(entry)
+            self._gathered = len(entries)
         return entries
 
     # --- training ------------------------------------------------------------------------------
@@ -144,6 +160,8 @@ class Learner:
             if self._since_publish >= self.config.learner.publish_every:
                 self.version += 1
                 self.publish()
+            self._gathered = 0
+            self._report_state()
             if not run.checkpoint_every:
                 self._flush_acks()
 

@@ -88,6 +88,18 @@ def make_buffer(config: Config, *, url: str = "", run_id: str = "", consumer: st
     return RedisBuffer.from_config(b, url, run_id, consumer)
 
 
+def make_admission(config: Config, buffer: Buffer, *, url: str = "", run_id: str = ""):
+    """Admission control shared by the learner and every actor (in-process, or in Redis)."""
+    from headrace.buffer.admission import AdmissionLimits, InProcessAdmission
+
+    limits = AdmissionLimits.from_config(config)
+    if not url:
+        return InProcessAdmission(limits, depth=buffer.depth)
+    from headrace.buffer.admission_redis import RedisAdmission
+
+    return RedisAdmission(url, limits, run_id=run_id, password=config.buffer.password or None)
+
+
 def make_weights(config: Config, run_dir: str | pathlib.Path | None = None) -> WeightStore:
     if config.weights.backend == "memory":
         return MemoryWeightStore(config.weights_keep)

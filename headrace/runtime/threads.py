@@ -48,17 +48,19 @@ def train(config: Config, *, live: bool = True, t0: float | None = None) -> dict
     buffer, weights = build.make_buffer(config), build.make_weights(config)
     metrics = Metrics()
     stop = threading.Event()
+    admission = build.make_admission(config, buffer)
     evaluator = supervise.Evaluator(config, task, graphdef, weights, metrics, t0,
                                     lambda: metrics.snapshot().get("actor/episodes", 0))
     learner = Learner(config, graphdef, params, buffer, weights, metrics, stop,
-                      allowed_v=task.sampler_settings.allowed_mask(task.dims.vocab_size))
+                      allowed_v=task.sampler_settings.allowed_mask(task.dims.vocab_size),
+                      admission=admission)
     learner.publish()  # version 0, before any actor starts
     workers = [Worker("learner", learner.run, stop),
                Worker("evaluator", lambda: evaluator.run(stop), stop)]
     for i in range(config.actor.num_actors):
         actor = Actor(config, f"actor-{i}", task.make_env, task.tokenizer,
                       build.make_sampler(config, task, graphdef, seed=config.run.seed + 100 + i),
-                      buffer, weights, metrics, stop)
+                      buffer, weights, metrics, stop, admission)
         workers.append(Worker(f"actor-{i}", actor.run, stop))
     reporter = supervise.Reporter(config, run_dir, live)
     for worker in workers:

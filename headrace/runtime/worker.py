@@ -66,8 +66,10 @@ def learner_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: st
     graphdef, params = build.init_params(config, task)
     metrics = Metrics()
     publisher = Publisher(buffer.client, run_id, "learner", metrics, extra=buffer.stats).start()
+    admission = build.make_admission(config, buffer, url=url, run_id=run_id)
     learner = Learner(config, graphdef, params, buffer, weights, metrics, stop,
-                      allowed_v=task.sampler_settings.allowed_mask(task.dims.vocab_size))
+                      allowed_v=task.sampler_settings.allowed_mask(task.dims.vocab_size),
+                      admission=admission)
     if weights.latest_version() < 0:
         learner.publish()  # version 0, before any actor starts
     try:
@@ -94,8 +96,9 @@ def actor_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: str,
     graphdef = params_lib.graphdef(task.dims)
     sampler = build.make_sampler(config, task, graphdef, seed=config.run.seed + 100 + index)
     try:
+        admission = build.make_admission(config, buffer, url=url, run_id=run_id)
         Actor(config, name, task.make_env, task.tokenizer, sampler, buffer, weights, metrics,
-              stop).run()
+              stop, admission).run()
     finally:
         publisher.stop()
         buffer.close()

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from headrace.actor.admission import (
+from headrace.buffer.admission import (
     REFUSED_AGE,
     REFUSED_LAG,
     AdmissionError,
@@ -23,7 +23,7 @@ from headrace.actor.admission import (
     trained_at_version,
     wait_admit,
 )
-from headrace.actor.admission_redis import RedisAdmission
+from headrace.buffer.admission_redis import RedisAdmission
 from headrace.buffer import MemoryBuffer, RedisBuffer
 
 BACKENDS = ["memory", "redis"]

@@ -92,9 +92,12 @@ class AdmissionLimits:
 
     @classmethod
     def from_config(cls, config: Config) -> AdmissionLimits:
+        """The run's limits; `run.mode: sync` is lag 0 with a publish after every step, so
+        actors generate exactly one batch at the learner's current version, then wait."""
+        sync = config.run.mode == "sync"
         return cls(groups_per_batch=config.learner.groups_per_batch,
-                   publish_every=config.learner.publish_every,
-                   max_policy_lag=config.staleness.max_policy_lag,
+                   publish_every=1 if sync else config.learner.publish_every,
+                   max_policy_lag=0 if sync else config.staleness.max_policy_lag,
                    max_age_s=config.staleness.max_age_s)
 
 

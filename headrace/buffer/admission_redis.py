@@ -10,7 +10,7 @@ Redis Cluster slot with the stream, so one script may read them all):
 
 `try_admit` is one Lua script: drop expired leases, count the live ones, read the learner's state
 and the stream's depth (`XLEN - pending` of the `learners` group), apply the rule of
-`headrace.actor.admission.decide`, and take the lease only when admissible, so two actors can never
+`headrace.buffer.admission.decide`, and take the lease only when admissible, so two actors can never
 both take the last admissible slot. Lease expiry uses the server's clock (one clock for every host).
 A call whose reply was lost is retried with the same lease id, and the script first removes that
 id, so a retry never holds two slots.
@@ -32,7 +32,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from headrace.actor.admission import (
+from headrace.buffer.admission import (
     Admission,
     AdmissionError,
     AdmissionLimits,
