@@ -36,6 +36,7 @@ class RunConfig:
     eval_target: float = 0.9  # success rate that `time_to_target_s` reports reaching
     stop_at_target: bool = False  # end the run once the periodic evaluation reaches eval_target
     checkpoint_every: int = 0  # learner steps between checkpoints (0: only at the end)
+    ledger: bool = False  # record every group written, trained, dropped (exact accounting; costly)
     launcher: Literal["threads", "processes", "ray"] = "threads"  # how components are run
     log_every: int = 10  # learner steps between metric records
     learner_cpus: tuple[int, ...] = ()  # processes launcher: pin the learner (and 1 XLA thread) here

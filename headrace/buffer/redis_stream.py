@@ -8,6 +8,8 @@ transactions and scripts over them stay valid on a cluster):
   headrace:{RUN:SHARD}:added         groups ever written (`buffer/ingest_per_s` for every client)
   headrace:{RUN:SHARD}:reserved:put  sorted sets of in-flight reservations, `token:n` scored by
   headrace:{RUN:SHARD}:reserved:get  their expiry (server ms), so a crashed client's lapse
+  headrace:{RUN:SHARD}:written       with the run's ledger on (`enable_ledger`): the group id of
+  headrace:{RUN:SHARD}:ledger        every group ever written, added in the put's own MULTI/EXEC
 
 One consumer group, `learners`; every learner host is one consumer, named by the caller.
 
@@ -29,6 +31,10 @@ How it keeps the contract:
     learner); entries idle >= `claim_idle_s` in any consumer's hands, except those this instance
     is holding, are taken with XCLAIM (guarded by the idle time, so two learners never both take
     one). Delivery counts come from the pending list, read in the same transaction.
+  * Exact accounting (tests, audits): when the run's `ledger` flag is set before a client opens,
+    each put also adds its group ids to the `written` set inside the same transaction, so a put is
+    recorded exactly when it is written, whatever crashes. (Entry ids are unknown until EXEC
+    returns, hence group ids; `headrace.runtime.resume.accounting` maps them back.)
   * Malformed entries are moved to the quarantine stream and acknowledged off the main stream in
     one script (idempotent on retry), counted, logged, and never reach the caller.
 
@@ -179,6 +185,11 @@ def _str(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def enable_ledger(client: redis.Redis, run_id: str, shard: int = 0) -> None:
+    """Turns on the run's ledger of written groups for every buffer client opened afterwards."""
+    client.set(f"headrace:{{{run_id}:{shard}}}:ledger", 1)
+
+
 class RedisBuffer(Buffer):
     """The production buffer: groups in a Redis stream, learners in one consumer group.
 
@@ -195,6 +206,8 @@ class RedisBuffer(Buffer):
       shard: the stream shard (DESIGN.md, "Buffer shards").
       retry_s: how long a lost connection is retried before `BufferError`.
       socket_timeout_s: a Redis reply slower than this counts as a lost connection.
+      ledger: record written group ids (see the module docstring); None follows the run's flag
+        (`enable_ledger`), read once here.
     Raises:
       BufferError: the server cannot be reached within `retry_s`, refuses the password, or is
         older than Redis 6.2.
@@ -204,7 +217,7 @@ class RedisBuffer(Buffer):
     def __init__(self, client: str | redis.Redis, *, run_id: str, consumer: str,
                  capacity: int = 64, max_pending: int = 1024, claim_idle_s: float = 60.0,
                  password: str | None = None, shard: int = 0, retry_s: float = 30.0,
-                 socket_timeout_s: float = 30.0):
+                 socket_timeout_s: float = 30.0, ledger: bool | None = None):
         if not run_id or not re.fullmatch(r"[\w.\-]+", run_id):
             raise ValueError(f"run_id={run_id!r}: use letters, digits, '_', '-', '.'")
         if not consumer or any(c.isspace() for c in consumer):
@@ -233,6 +246,7 @@ class RedisBuffer(Buffer):
         prefix = f"headrace:{{{run_id}:{shard}}}"
         self.stream_key, self.quarantine_key = f"{prefix}:groups", f"{prefix}:quarantine"
         self._added_key = f"{prefix}:added"
+        self.written_key, self._ledger_flag = f"{prefix}:written", f"{prefix}:ledger"
         self._reserved = {"put": f"{prefix}:reserved:put", "get": f"{prefix}:reserved:get"}
         self._reserve_ttl_ms = int((retry_s + 30.0) * 1000)  # outlives every retry of its call
         scripts = dict(reserve=_RESERVE, ack=_ACK, quarantine=_QUARANTINE, counts=_COUNTS,
@@ -253,6 +267,9 @@ class RedisBuffer(Buffer):
         self._check_server()
         self._ensure_group()
         self._added_seen = self._counts()[3]
+        if ledger is None:
+            ledger = bool(self._call("connect", self._client.exists, self._ledger_flag))
+        self.ledger = ledger
 
     @classmethod
     def from_config(cls, config: BufferConfig, url: str, run_id: str, consumer: str,
@@ -357,14 +374,15 @@ class RedisBuffer(Buffer):
                                  f"for {timeout_s} s")
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 0.05)
-        ids = self._append(token, encoded, since_ms)
+        ids = self._append(token, encoded, since_ms, [g.group_id for g in groups])
         with self._lock:
             if blocked_from is not None:
                 self._put_blocked_s += time.perf_counter() - blocked_from
             self._put_ms.add((time.perf_counter() - start) * 1e3)
         return ids
 
-    def _append(self, token: str, encoded: list[bytes], since_ms: int) -> list[EntryId]:
+    def _append(self, token: str, encoded: list[bytes], since_ms: int,
+                group_ids: list[str]) -> list[EntryId]:
         """Writes a reserved put in one transaction; after a lost reply, finds what it wrote."""
         member, attempts = f"{token}:{len(encoded)}", 0
 
@@ -385,6 +403,8 @@ class RedisBuffer(Buffer):
                 pipe.xadd(self.stream_key, {FIELD: data, PUT_FIELD: token})
             pipe.zrem(self._reserved["put"], member)
             pipe.incrby(self._added_key, len(encoded))
+            if self.ledger:
+                pipe.sadd(self.written_key, *group_ids)
             return [_str(i) for i in pipe.execute()[:len(encoded)]]
 
         return self._call("put", attempt)
@@ -622,10 +642,15 @@ class RedisBuffer(Buffer):
         return {"undelivered": stream - pending, "pending": pending,
                 "quarantined": {_str(i) for i in quarantined}}
 
+    def written_group_ids(self) -> set[str]:
+        """Group ids of every group written while the run's ledger was on (see `ledger`)."""
+        return {_str(g) for g in self._call("written", self._client.smembers, self.written_key)}
+
     def drop(self) -> None:
-        """Deletes this run's stream, quarantine, counters and reservations, for good."""
+        """Deletes this run's stream, quarantine, counters, reservations and ledger, for good."""
         self._call("drop", self._client.delete, self.stream_key, self.quarantine_key,
-                   self._added_key, *self._reserved.values())
+                   self._added_key, self.written_key, self._ledger_flag,
+                   *self._reserved.values())
         with self._lock:
             self._outstanding.clear()
 

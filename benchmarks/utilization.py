@@ -1,0 +1,219 @@
+"""`headrace bench utilization`: learner utilisation of the same workload three ways, in one run.
+
+- `learner_alone`: the learner process fed from a pre-filled Redis buffer, no actors (the ceiling);
+- `sync`: `run.mode: sync` through the processes launcher (actors generate one batch at the
+  learner's version, the learner trains and publishes, then waits again);
+- `async`: the default decoupled mode through the processes launcher, no pre-filled buffer, its
+  environment pool sized by Little's law from the ceiling's consume rate and the measured episode
+  latency.
+
+Same model, batch, updates per trajectory and CPU placement for all three: the learner pinned to
+core 0 with one XLA thread, actors, Redis and the supervisor on the other cores. The environment is
+guess_number with an injected per-step latency (`--env-latency`, lognormal), so an episode takes
+several seconds. Every way runs the code path a user's run takes (`headrace train` machinery).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import sys
+import tempfile
+import threading
+import time
+
+from headrace import benchlib
+
+PLACEMENT = {"learner_cpus": [0], "actor_cpus": []}
+
+
+def base_config(args, run_dir: pathlib.Path) -> dict:
+    """The shared workload: model, batch and updates per trajectory are the same for all ways."""
+    quick = args.quick
+    return {
+        # The window is measured from the first trained batch; start-up (spawning, compiling) is
+        # reported as warmup_s and given its own allowance here.
+        "run": {"dir": str(run_dir), "max_wall_s": args.duration + args.warmup_allowance,
+                "eval_every": 0,
+                "log_every": 1, "launcher": "processes", **PLACEMENT},
+        "env": {"name": "guess_number", "kwargs": {"n": 32, "max_turns": 5},
+                "latency": {"kind": "lognormal", "seconds": args.env_latency, "sigma": 0.25},
+                "step_timeout_s": max(30.0, 20 * args.env_latency)},
+        "model": {"preset": "custom", "d_model": 64 if quick else args.d_model,
+                  "n_layers": 2 if quick else args.n_layers, "n_heads": 4, "n_kv_heads": 2,
+                  "d_ff": 128 if quick else 4 * args.d_model, "max_len": 64},
+        "sampling": {"max_new_tokens": 1},
+        "actor": {"num_actors": 1, "envs_per_actor": 64, "group_size": 8, "max_batch": 1024},
+        "buffer": {"backend": "redis", "capacity": 4 * args.groups_per_batch,
+                   "max_pending": 16 * args.groups_per_batch},
+        "weights": {"backend": "dir"},
+        "learner": {"groups_per_batch": args.groups_per_batch, "minibatches": 1,
+                    "publish_every": 1, "entropy_coef": 0.03},
+        "shapes": {"buckets": [4, 8, 12]},
+        "staleness": {"max_policy_lag": args.max_policy_lag},
+    }
+
+
+def read_run(run_dir: pathlib.Path, start: float) -> dict:
+    """Figures of one way from its run folder (metrics.jsonl, summary.json)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if r.get("step", 0) >= 1]
+    last = records[-1]
+    first_time = trained[0]["time"] if trained else float("nan")
+    wall = last["time"] - first_time if trained else float("nan")
+    in_flight = [r["actor/in_flight"] for r in trained if "actor/in_flight" in r]
+    return {
+        "learner_utilization": last.get("learner/utilization", 0.0),
+        "steps_per_s": last.get("learner/steps_per_s", 0.0),
+        "trajectories_per_s": (last.get("learner/trajectories", 0.0)
+                               - (trained[0].get("learner/trajectories", 0.0) if trained else 0))
+                              / wall if trained and wall > 0 else 0.0,
+        "updates_per_trajectory": last.get("learner/updates_per_trajectory", 0.0),
+        "lag_mean": last.get("staleness/lag_mean", 0.0),
+        "in_flight_mean": sum(in_flight) / len(in_flight) if in_flight else 0.0,
+        "warmup_s": first_time - start,
+        "steps": last.get("step", 0),
+        "episode_s_mean": last.get("actor/episode_s_mean", float("nan")),
+        "step_s_p50": last.get("learner/step_s_p50", float("nan")),
+    }
+
+
+def run_training(data: dict) -> dict:
+    from headrace.config import load
+    from headrace.runtime.processes import train
+
+    start = time.time()
+    train(load(data=data), live=False, t0=start)
+    return read_run(pathlib.Path(data["run"]["dir"]), start)
+
+
+def learner_alone(args, run_dir: pathlib.Path) -> dict:
+    """The learner process alone, over a buffer pre-filled by a real actor (no env latency)."""
+    from headrace.actor.actor import Actor
+    from headrace.buffer.server import RedisServer
+    from headrace.config import load
+    from headrace.metrics.core import Metrics
+    from headrace.metrics.remote import read as read_metrics
+    from headrace.runtime import build
+    from headrace.runtime.processes import Supervisor
+
+    data = base_config(args, run_dir)
+    data["env"]["latency"] = {"kind": "none"}
+    steps = max(5, int(args.duration / 0.05))  # more groups than the learner can eat in time
+    groups = min(steps * args.groups_per_batch, args.prefill_groups)
+    data["buffer"]["capacity"] = groups
+    data["buffer"]["max_pending"] = max(groups, data["buffer"]["max_pending"])
+    data["staleness"]["max_policy_lag"] = 1_000_000  # pre-filled data is old by design
+    config = load(data=data)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_id = "alone"
+    with RedisServer.from_config(config.buffer, run_dir / "redis") as server:
+        buffer = build.make_buffer(config, url=server.url, run_id=run_id, consumer="prefill")
+        weights = build.make_weights(config, run_dir)
+        task = build.build_task(config)
+        graphdef, params = build.init_params(config, task)
+        from headrace.model import params as params_lib
+
+        weights.publish(params_lib.to_host(params), 0)
+        stop = threading.Event()
+        actor = Actor(config, "prefill", task.make_env, task.tokenizer,
+                      build.make_sampler(config, task, graphdef, seed=1), buffer, weights,
+                      Metrics(), stop)
+        filler = threading.Thread(target=actor.run)
+        filler.start()
+        while buffer.depth() < groups:
+            time.sleep(0.2)
+        stop.set()
+        filler.join(timeout=60)
+        supervisor = Supervisor(config, run_dir, server.url, run_id)
+        start = time.time()
+        supervisor.start_learner()
+        first = None
+        metrics: dict = {}
+        try:
+            while time.time() - (first or start) < (args.duration if first else
+                                                     args.duration + args.warmup_allowance):
+                time.sleep(0.5)
+                metrics = read_metrics(server.client(), run_id)
+                if first is None and metrics.get("learner/step", 0) >= 1:
+                    first = time.time()
+                if supervisor.learner.process.exitcode is not None:
+                    break
+        finally:
+            supervisor.stop()
+        metrics = read_metrics(server.client(), run_id)
+        buffer.close()
+    return {
+        "learner_utilization": metrics.get("learner/utilization", 0.0),
+        "steps_per_s": metrics.get("learner/steps_per_s", 0.0),
+        "trajectories_per_s": metrics.get("learner/steps_per_s", 0.0) * args.groups_per_batch * 8,
+        "updates_per_trajectory": metrics.get("learner/updates_per_trajectory", 0.0),
+        "lag_mean": 0.0,
+        "in_flight_mean": 0.0,
+        "warmup_s": (first or float("nan")) - start,
+        "steps": metrics.get("learner/step", 0),
+        "step_s_p50": metrics.get("learner/step_s_p50", float("nan")),
+        "prefilled_groups": groups,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="headrace bench utilization", description=__doc__,
+                                     parents=[benchlib.bench_parser()])
+    parser.add_argument("--env-latency", type=float, default=2.0, help="seconds per env step")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds per way")
+    parser.add_argument("--groups-per-batch", type=int, default=32)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--n-layers", type=int, default=4)
+    parser.add_argument("--max-policy-lag", type=int, default=4)
+    parser.add_argument("--prefill-groups", type=int, default=8192)
+    parser.add_argument("--warmup-allowance", type=float, default=60.0,
+                        help="seconds allowed for start-up before the measured window")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.env_latency, args.duration, args.groups_per_batch = 0.05, 5.0, 4
+        args.prefill_groups, args.warmup_allowance = 64, 30.0
+        args.d_model, args.n_layers = 64, 2
+    if len(os.sched_getaffinity(0)) >= 2:
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[1:])  # core 0 is the learner's
+    with tempfile.TemporaryDirectory(prefix="headrace-bench-") as tmp:
+        root = pathlib.Path(tmp)
+        alone = learner_alone(args, root / "alone")
+        consume_groups_per_s = alone["steps_per_s"] * args.groups_per_batch
+        # Little's law: groups in flight = consume rate x group latency (turns x step latency).
+        turns = 4.0  # guess_number episodes of a learning policy average ~4 of their 5 turns
+        episode_s = turns * args.env_latency + 0.05
+        needed = consume_groups_per_s * episode_s
+        headroom = 1.25
+        slots = max(1, math.ceil(needed * headroom))
+        sync_data = base_config(args, root / "sync")
+        sync_data["run"]["mode"] = "sync"
+        sync_data["actor"]["envs_per_actor"] = 8 * max(args.groups_per_batch, 1)
+        sync = run_training(sync_data)
+        async_data = base_config(args, root / "async")
+        async_data["actor"]["envs_per_actor"] = 8 * slots
+        async_data["actor"]["max_batch"] = max(1024, 8 * slots)
+        result_async = run_training(async_data)
+    result = {
+        "learner_alone": alone, "sync": sync, "async": result_async,
+        "little": {"consume_groups_per_s": consume_groups_per_s, "episode_s": episode_s,
+                   "in_flight_groups_needed": needed, "headroom": headroom,
+                   "envs_per_actor_async": 8 * slots},
+        "settings": {"env_latency_s": args.env_latency, "duration_s": args.duration,
+                     "groups_per_batch": args.groups_per_batch, "group_size": 8,
+                     "d_model": args.d_model, "n_layers": args.n_layers,
+                     "learner_cpus": PLACEMENT["learner_cpus"]},
+        "async_over_sync_steps": (result_async["steps_per_s"] / sync["steps_per_s"]
+                                  if sync["steps_per_s"] else None),
+        "async_over_alone_steps": (result_async["steps_per_s"] / alone["steps_per_s"]
+                                   if alone["steps_per_s"] else None),
+    }
+    benchlib.emit(result, as_json=args.json, title="learner utilisation: alone / sync / async")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Segment-aware attention: trajectories packed in one row score exactly as they do alone."""
+
+import functools
+
+import jax
+import numpy as np
+
+from headrace.config import LearnerConfig, ShapesConfig
+from headrace.learner.batching import Batcher
+from headrace.learner.train_step import _logprobs
+from headrace.metrics.core import Metrics
+from headrace.model import params as params_lib
+from headrace.model.transformer import ModelDims, segment_mask
+from headrace.types import Group, Trajectory
+
+VOCAB = 64
+
+
+def _trajectory(i: int, n: int, rng) -> Trajectory:
+    tokens = rng.integers(1, VOCAB, n).astype(np.int32)
+    tokens[0] = i  # the first token names the trajectory (ids 0..VOCAB-1 are all valid)
+    return Trajectory(f"t{i}", "g", "task", "e", "a", tokens, np.ones(n, bool),
+                      np.zeros(n, np.float32), np.zeros(n, np.int32), [], float(i % 2))
+
+
+def test_segment_mask_is_causal_within_segments_and_blind_to_padding():
+    seg = np.array([[1, 1, 2, 2, 2, 0]])
+    mask = np.asarray(segment_mask(seg))[0]
+    expected = np.zeros((6, 6), bool)
+    expected[0, 0] = expected[1, :2] = True
+    expected[2, 2] = expected[3, 2:4] = expected[4, 2:5] = True
+    np.testing.assert_array_equal(mask, expected)
+
+
+def test_packed_logprobs_equal_solo_logprobs():
+    rng = np.random.default_rng(0)
+    lengths = [5, 9, 3, 12, 7, 16, 2, 11, 6, 4, 13, 8]
+    trajectories = [_trajectory(i, n, rng) for i, n in enumerate(lengths)]
+    batcher = Batcher(LearnerConfig(groups_per_batch=1, token_budget=64),
+                      ShapesConfig(buckets=(8, 16, 32)), Metrics())
+    batch = batcher.build([Group("g", "task", trajectories)])
+    assert batch.trajectories == len(lengths)
+    dims = ModelDims(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+    graphdef, params = params_lib.init(dims, 3)
+    logprobs = jax.jit(functools.partial(_logprobs, graphdef, temperature=1.0, allowed_v=None))
+
+    packed_rows = 0
+    seen = set()
+    for mb in batch.microbatches:
+        packed = np.asarray(logprobs(params, mb.arrays))  # [R, W-1]: entry j scores token j+1
+        segments = mb.arrays["segment_ids"]
+        packed_rows += int((segments.max(axis=1) >= 2).sum())
+        for row in range(segments.shape[0]):
+            for s in range(1, segments[row].max() + 1):
+                cols = np.flatnonzero(segments[row] == s)
+                start, n = cols[0], len(cols)
+                trajectory = trajectories[mb.arrays["tokens"][row, start]]
+                assert n == len(trajectory)
+                np.testing.assert_array_equal(mb.arrays["positions"][row, cols], np.arange(n))
+                # Alone in a row (trailing padding is causally invisible; one compiled shape).
+                alone = {"tokens": np.zeros((1, 32), np.int32),
+                         "positions": np.zeros((1, 32), np.int32),
+                         "segment_ids": np.zeros((1, 32), np.int32)}
+                alone["tokens"][0, :n] = trajectory.tokens
+                alone["positions"][0, :n] = np.arange(n)
+                alone["segment_ids"][0, :n] = 1
+                solo = np.asarray(logprobs(params, alone))[0, :n - 1]
+                np.testing.assert_allclose(packed[row, start:start + n - 1], solo, atol=1e-5)
+                seen.add(trajectory.trajectory_id)
+    assert len(seen) == len(lengths)
+    assert packed_rows >= 2, "the test should pack several trajectories into some rows"
