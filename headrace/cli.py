@@ -43,18 +43,27 @@ def _train(args) -> int:
     from headrace.config import ConfigError, load
     from headrace.env.base import EnvError
 
-    if args.resume:
-        return _fail("--resume needs the multi-process runtime, which is not built yet")
-    if not args.config:
+    if args.resume and args.config:
+        return _fail("give either a CONFIG or --resume RUN_DIR (whose config.yaml is used), "
+                     "not both")
+    if not args.config and not args.resume:
         return _fail("train needs a CONFIG file (e.g. examples/guess_number.yaml)")
+    live = not args.no_live and not args.json and sys.stderr.isatty()
     try:
-        config = load(args.config, args.set)
-        if config.run.launcher == "processes":
+        if args.resume:
+            from headrace.runtime import resume
             from headrace.runtime.processes import train
-        else:
-            from headrace.runtime.threads import train
 
-        summary = train(config, live=not args.no_live and not args.json and sys.stderr.isatty())
+            summary = train(resume.load_config(args.resume, args.set), live=live,
+                            resume_dir=args.resume)
+        else:
+            config = load(args.config, args.set)
+            if config.run.launcher == "processes":
+                from headrace.runtime.processes import train
+            else:
+                from headrace.runtime.threads import train
+
+            summary = train(config, live=live)
     except (ConfigError, EnvError) as error:
         return _fail(str(error))
     if args.json:

@@ -1,6 +1,7 @@
 """Shared fixtures: a real local redis-server, unique run ids, small groups.
 
-Also sets the process-wide JAX environment for the suite. Redis fixtures skip (with the reason) when no redis-server binary exists; every server they start
+Also sets the process-wide JAX environment for the suite. Redis fixtures skip (with the reason)
+when no redis-server binary exists; every server they start
 is stopped in a `finally`, so no test leaves a process behind.
 """
 

@@ -20,7 +20,6 @@ import time
 import uuid
 from collections.abc import Callable
 
-
 from headrace.actor.episode import EpisodeResult, run_episode
 from headrace.actor.policy import BatchedPolicy, WeightSync
 from headrace.buffer.admission import Admission, Heartbeat, wait_admit

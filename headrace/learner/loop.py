@@ -5,11 +5,24 @@ training thread). The training thread gathers `groups_per_batch` groups that pas
 the batch and runs the jitted step. Version `v` are the weights after the `v * publish_every`-th
 step; a batch is trained at the current version, which is what the gate measures lag against.
 
-Acknowledgement: entries are acknowledged after the checkpoint that covers them when checkpointing
-is on, else right after their step (nothing is durable then anyway). Dropped entries are
-acknowledged with the trained ones; their counts live in the metrics (and in checkpoints).
+Checkpoints and acknowledgement (DESIGN.md, "Buffer contract"). With a checkpointer and
+`run.checkpoint_every` > 0 the learner saves every `checkpoint_every` steps: the train state, and
+metadata holding the learner step, the weights version, the ids of the entries handled (trained,
+dropped, skipped) and not yet acknowledged, and every counter of its metrics (drops by reason,
+groups, trajectories, redeliveries). Only once the save is complete does it acknowledge those
+entries. After a crash the restarted learner restores the latest checkpoint: entries trained after
+it were never acknowledged, so the buffer redelivers them and they are trained again (their
+updates died with the crash); a redelivered entry the checkpoint covers (a crash between save and
+acknowledgement) is acknowledged and skipped, counted in `buffer/redelivered_skipped`, never
+trained twice. When every pending entry the buffer allows is already handled but unacknowledged
+(dropped ones pile up), the learner checkpoints early rather than wait for data that cannot come.
+Without a checkpointer, or with `checkpoint_every` = 0, entries are acknowledged right after their
+step (a crash then loses them); a checkpointer still saves at the end. A ledger, when given,
+records every entry handled and is made durable before each save (`headrace.runtime.resume`).
 
-Stopping: `stop` ends both threads; the learner publishes its last weights before returning.
+Stopping: `stop` ends both threads; the learner publishes its last weights and, when it stopped
+cleanly, saves a final checkpoint and acknowledges everything it handled. After an error nothing
+more is acknowledged (the entries come back to a resumed learner).
 """
 
 from __future__ import annotations
@@ -40,7 +53,18 @@ log = logging.getLogger(__name__)
 class Learner:
     def __init__(self, config: Config, graphdef, params, buffer: Buffer, weights: WeightStore,
                  metrics: Metrics, stop: threading.Event, allowed_v: np.ndarray | None = None,
-                 admission: Admission | None = None):
+                 admission: Admission | None = None, checkpointer=None, ledger=None):
+        """Builds the learner; with a `checkpointer` holding a checkpoint, restores the latest.
+
+        Args:
+          checkpointer: saves and restores checkpoints (`headrace.runtime.checkpoint.Checkpointer`
+            or the same methods: save, restore, latest_step); None: no checkpoints.
+          ledger: records what is done with each entry (`headrace.runtime.resume.Ledger`: begin,
+            record, mark); None: no ledger.
+
+        Raises:
+          ValueError: the checkpoint does not match this model and optimizer.
+        """
         self.config = config
         self.admission = admission
         self.buffer = buffer
@@ -66,6 +90,14 @@ class Learner:
         self._gathered = 0  # entries taken off the queue for the batch being assembled
         self.done = threading.Event()
         compiles.install()
+        self.checkpointer = checkpointer
+        self.ledger = ledger
+        self._reader_stop = threading.Event()
+        self._checkpoint_key: int | None = None  # the newest checkpoint saved or restored
+        self._checkpoint_step = 0  # the learner step it holds
+        self.restored_from = self._restore() if checkpointer is not None else None
+        if ledger is not None:
+            ledger.begin(self.restored_from)
 
     # --- weights -------------------------------------------------------------------------------
 
@@ -74,6 +106,18 @@ class Learner:
         self.weights.publish(params_lib.to_host(self.state.params), self.version)
         self.metrics.observe("weights/publish_s", time.perf_counter() - start)
         self._since_publish = 0
+
+    def publish_start(self) -> None:
+        """Publishes the starting weights unless the store already holds them: version 0 on a
+        fresh run; after a resume whose store went past the checkpoint (versions published after
+        it, from updates lost with the crash), the restored weights as the next version."""
+        latest = self.weights.latest_version()
+        if latest == self.version:
+            return
+        self.version = max(self.version, latest + 1)
+        self.publish()
+        self.metrics.gauge("learner/version", self.version)
+        self._report_state()
 
     def _report_state(self) -> None:
         """Tells admission control where the learner is (version, steps since publish, queue)."""
@@ -87,7 +131,7 @@ class Learner:
 
     def _read(self) -> None:
         try:
-            while not self.stop.is_set():
+            while not (self.stop.is_set() or self._reader_stop.is_set()):
                 room = self._queue.maxsize - self._queue.qsize()
                 if room <= 0:
                     time.sleep(0.001)
@@ -112,13 +156,17 @@ class Learner:
             except queue.Empty:
                 if self.stop.is_set():
                     return None
+                held = len(self._unacked) + len(entries) + self._queue.qsize()
+                if self._unacked and held >= self.config.buffer.max_pending:
+                    self._acknowledge(early=True)  # the buffer hands out nothing more until then
                 continue
-            if entry.id in self.trained_ids:  # redelivered after we trained on it
-                self.metrics.count("learner/skipped_redelivered")
-                self._unacked.append(entry.id)
+            if entry.id in self.trained_ids:  # redelivered; a checkpoint already covers it
+                self.metrics.count("buffer/redelivered_skipped")
+                self._handled("skipped", [entry])
                 continue
-            if self.gate.check(entry.group, self.version) is not None:
-                self._unacked.append(entry.id)
+            reason = self.gate.check(entry.group, self.version)
+            if reason is not None:
+                self._handled("dropped", [entry], reason)
                 continue
             entries.append(entry)
             self._gathered = len(entries)
@@ -130,15 +178,23 @@ class Learner:
         """Trains until `stop` is set or `run.max_steps` is reached (blocking)."""
         reader = threading.Thread(target=self._read, name="learner-reader", daemon=True)
         reader.start()
+        finished = False
         try:
             self._loop()
+            finished = True
         finally:
-            self.done.set()
-            reader.join(timeout=5)
-            if self._since_publish:
-                self.version += 1
-                self.publish()
-            self._flush_acks()
+            try:
+                self._reader_stop.set()  # the loop is over: read no more
+                reader.join(timeout=5)
+                if self._since_publish:
+                    self.version += 1
+                    self.publish()
+                if finished:
+                    self._checkpoint()  # the final one; then everything handled is acknowledged
+                elif self.checkpointer is None:
+                    self._flush_acks()
+            finally:
+                self.done.set()
 
     def _loop(self) -> None:
         run = self.config.run
@@ -155,15 +211,15 @@ class Learner:
                 self._record_staleness(entries)
             self._train(batch)
             self.trained_ids.update(e.id for e in entries)
-            self._unacked.extend(e.id for e in entries)
+            self._handled("trained", entries)
             self._since_publish += 1
             if self._since_publish >= self.config.learner.publish_every:
                 self.version += 1
                 self.publish()
             self._gathered = 0
             self._report_state()
-            if not run.checkpoint_every:
-                self._flush_acks()
+            if not run.checkpoint_every or self.step % run.checkpoint_every == 0:
+                self._acknowledge()
 
     def _train(self, batch) -> None:
         start = time.perf_counter()
@@ -205,9 +261,78 @@ class Learner:
         m.count("learner/trajectories", sum(len(g.trajectories) for g in groups))
         m.count("buffer/redelivered_trained", sum(e.delivery_count > 1 for e in entries))
 
+    # --- checkpoints and acknowledgement --------------------------------------------------------
+
+    def _handled(self, kind: str, entries: list[Entry], reason: str | None = None) -> None:
+        """Notes entries trained, dropped or skipped: acknowledged after the next checkpoint."""
+        self._unacked.extend(e.id for e in entries)
+        if self.ledger is not None:
+            self.ledger.record(kind, entries, self.step, reason)
+
+    def _acknowledge(self, early: bool = False) -> None:
+        """Acknowledges after a checkpoint when checkpoints are periodic, else right away."""
+        if self.checkpointer is not None and self.config.run.checkpoint_every:
+            if early:
+                log.info("checkpointing early: %d handled entries wait for acknowledgement",
+                         len(self._unacked))
+            self._checkpoint()
+        else:
+            self._flush_acks()
+
+    def _checkpoint(self) -> None:
+        """Saves the state and bookkeeping (blocking), then acknowledges what it covers.
+
+        A no-op when nothing happened since the last checkpoint. Without a checkpointer it only
+        acknowledges. The key is the learner step, or one past the previous key when no step
+        happened since (a checkpoint that covers only dropped or skipped entries).
+        """
+        if self.checkpointer is None:
+            self._flush_acks()
+            return
+        if not self._unacked and self._checkpoint_key is not None \
+                and self.step == self._checkpoint_step:
+            return
+        start = time.perf_counter()
+        key = self.step
+        if self._checkpoint_key is not None:
+            key = max(key, self._checkpoint_key + 1)
+        if self.ledger is not None:
+            self.ledger.mark(key, self.step)  # durable before anything it covers is acknowledged
+        counters = self.metrics.export()["counters"]
+        metadata = {"learner_step": self.step, "weights_version": self.version,
+                    "since_publish": self._since_publish, "unacked": list(self._unacked),
+                    "counters": counters, "time": time.time()}
+        self.checkpointer.save(key, self.state, metadata)  # blocks until complete on disk
+        self._checkpoint_key, self._checkpoint_step = key, self.step
+        self._flush_acks()
+        self.metrics.observe("learner/checkpoint_s", time.perf_counter() - start)
+
+    def _restore(self) -> int | None:
+        """Restores the latest checkpoint, if any, into this learner; returns its key."""
+        key = self.checkpointer.latest_step()
+        if key is None:
+            return None
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+        self.state, metadata = self.checkpointer.restore(abstract, key)
+        self.step = int(metadata["learner_step"])
+        self.version = int(metadata["weights_version"])
+        self._since_publish = int(metadata["since_publish"])
+        self.trained_ids = set(metadata["unacked"])  # skipped if redelivered
+        for name, value in metadata["counters"].items():
+            self.metrics.count(name, value)
+        self._checkpoint_key, self._checkpoint_step = key, self.step
+        self.metrics.gauge("learner/step", self.step)
+        self.metrics.gauge("learner/version", self.version)
+        log.warning("restored checkpoint %d: learner step %d, version %d; %d entries it covers "
+                    "are skipped if redelivered", key, self.step, self.version,
+                    len(self.trained_ids))
+        return key
+
     def _flush_acks(self) -> None:
         if self._unacked:
             self.buffer.ack(self._unacked)
+            self.trained_ids.difference_update(self._unacked)
             self._unacked = []
 
     @property

@@ -162,26 +162,44 @@ class Sampler:
     def max_context(self) -> int:
         return self.buckets[-1] - self.settings.max_new_tokens
 
-    def generate(self, contexts: Sequence[np.ndarray], greedy: bool = False):
+    def generate(self, contexts: Sequence[Sequence[int]], greedy: bool = False):
         """Returns (tokens, logprobs, version): per context an int32 and a float32 array.
+
+        Contexts are grouped by length bucket and each group runs as its own call, so a row pays
+        for its own bucket, not for the longest context of the batch. All rows use one consistent
+        weights version.
 
         Raises:
           PromptTooLong: some context is longer than `max_context()`.
+          ValueError: more contexts than `max_batch`.
         """
         s = self.settings
         longest = max(len(c) for c in contexts)
         if longest > self.max_context():
             raise PromptTooLong(f"context of {longest} tokens + {s.max_new_tokens} new does not "
                                 f"fit the largest bucket {self.buckets[-1]}")
+        if len(contexts) > self.batch_sizes[-1]:
+            raise ValueError(f"{len(contexts)} contexts exceed max_batch={self.batch_sizes[-1]}")
         with self._lock:
             params, version = self._params, self.version
         if params is None:
             raise RuntimeError("Sampler.generate called before set_params")
+        by_bucket: dict[int, list[int]] = {}
+        for i, context in enumerate(contexts):
+            width = bucket_for(len(context) + s.max_new_tokens, self.buckets) - s.max_new_tokens
+            by_bucket.setdefault(width, []).append(i)
+        out_tokens: list[np.ndarray] = [None] * len(contexts)
+        out_logps: list[np.ndarray] = [None] * len(contexts)
+        for width, rows in by_bucket.items():
+            tokens, logps = self._generate_rows(params, [contexts[i] for i in rows], width, greedy)
+            for i, t, lp in zip(rows, tokens, logps):
+                out_tokens[i], out_logps[i] = t, lp
+        return out_tokens, out_logps, version
+
+    def _generate_rows(self, params, contexts, width: int, greedy: bool):
+        s = self.settings
         n = len(contexts)
-        rows = next(b for b in self.batch_sizes if b >= n) if n <= self.batch_sizes[-1] else n
-        if n > self.batch_sizes[-1]:
-            raise ValueError(f"{n} contexts exceed max_batch={self.batch_sizes[-1]}")
-        width = bucket_for(longest + s.max_new_tokens, self.buckets) - s.max_new_tokens
+        rows = next(b for b in self.batch_sizes if b >= n)
         tokens_bp = np.full((rows, width), s.pad_id, np.int32)
         valid_bp = np.zeros((rows, width), bool)
         for i, context in enumerate(contexts):
@@ -193,6 +211,5 @@ class Sampler:
             np.float32(s.top_p), self._allowed_v, self._stop_v, np.int32(s.pad_id))
         # Deliberate device->host sync: the actor needs the tokens to step the environments.
         tokens_bg, logps_bg, lengths_b = jax.device_get((tokens_bg, logps_bg, lengths_b))
-        out_tokens = [tokens_bg[i, :lengths_b[i]] for i in range(n)]
-        out_logps = [logps_bg[i, :lengths_b[i]] for i in range(n)]
-        return out_tokens, out_logps, version
+        return ([tokens_bg[i, :lengths_b[i]] for i in range(n)],
+                [logps_bg[i, :lengths_b[i]] for i in range(n)])

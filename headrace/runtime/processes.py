@@ -7,6 +7,11 @@ it is SIGKILLed (PR_SET_PDEATHSIG). A crashed actor is restarted with exponentia
 counted (`actor/restarts`); a crashed learner ends the run. Ctrl-C, the end of the run or an error:
 SIGTERM to every child, a grace period, then SIGKILL; Redis is shut down last.
 
+Crash safety (`headrace.runtime.resume`): a run writes RUN_DIR/run.json (its id) when it starts;
+`train(..., resume_dir=RUN_DIR)` continues it: the same run id (so the same Redis keys), Redis
+restarted on RUN_DIR/redis from its append-only file, the learner restored from its latest
+checkpoint in RUN_DIR/checkpoints, fresh actors, metrics appended to metrics.jsonl.
+
 Greedy evaluation runs on a thread of the supervisor, reading published weights from the store.
 """
 
@@ -15,19 +20,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import pathlib
 import time
-import uuid
 from typing import Any
 
 import redis
 
-from headrace.buffer.server import RedisServer
 from headrace import config as config_lib
+from headrace.buffer.redis_stream import enable_ledger
+from headrace.buffer.server import RedisServer
 from headrace.config import Config
 from headrace.metrics.core import Metrics
 from headrace.metrics.remote import read as read_metrics
 from headrace.model import params as params_lib
-from headrace.runtime import build, supervise, worker
+from headrace.runtime import build, resume, supervise, worker
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +84,8 @@ class Supervisor:
         """Restarts crashed actors (with backoff); records a learner failure."""
         now = time.monotonic()
         learner = self.learner.process
-        if learner is not None and not learner.is_alive() and self.failure is None:
+        if learner is not None and not learner.is_alive() and learner.exitcode != 0 \
+                and self.failure is None:  # exit code 0: it finished (run.max_steps)
             self.failure = f"learner exited with code {learner.exitcode}"
         for child in self.actors:
             process = child.process
@@ -107,20 +114,35 @@ class Supervisor:
                 process.join(timeout=5)
 
 
-def train(config: Config, *, live: bool = True, t0: float | None = None) -> dict[str, Any]:
-    """Runs a whole training job over processes; returns the summary (also in summary.json)."""
+def train(config: Config, *, live: bool = True, t0: float | None = None,
+          resume_dir: str | pathlib.Path | None = None) -> dict[str, Any]:
+    """Runs a whole training job over processes; returns the summary (also in summary.json).
+
+    Args:
+      resume_dir: continue this run folder (with `config` from `resume.load_config`).
+
+    Raises:
+      ConfigError: a fresh run in a folder that holds one, or a folder that cannot be resumed.
+    """
     t0 = build.process_start_time() if t0 is None else t0
     build.check_flow(config)
     if config.buffer.backend != "redis" or config.weights.backend != "dir":
         config = config_lib.replace(config, buffer={"backend": "redis"},
                                     weights={"backend": "dir"})
-    run_dir = build.make_run_dir(config)
-    run_id = uuid.uuid4().hex[:12]
+    if resume_dir is None:
+        resume.check_new_run_dir(config)
+        run_dir = build.make_run_dir(config)
+        run_id = resume.start_run(run_dir, config)
+    else:
+        run_dir = pathlib.Path(resume_dir).absolute()
+        run_id = resume.begin_resume(run_dir, config)
     server = None
     if not config.buffer.url:
         server = RedisServer.from_config(config.buffer, run_dir / "redis").start()
     url = config.buffer.url or server.url
     client = redis.Redis.from_url(url, password=config.buffer.password or None)
+    if config.run.ledger:
+        enable_ledger(client, run_id)  # before any child opens the buffer
     supervisor = Supervisor(config, run_dir, url, run_id)
     metrics = Metrics()  # the supervisor's own: evaluation and restarts
     try:

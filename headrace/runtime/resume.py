@@ -343,7 +343,8 @@ def accounting(run_dir: str | os.PathLike, client) -> dict[str, Any]:
     seen = trained | all_dropped | quarantined | in_buffer
     twice = {g for g, n in collections.Counter(trained_list).items() if n > 1}
     everything = replay.effective + replay.void
-    redelivered = {g for r in everything for g, d in zip(r["groups"], r["deliveries"]) if d > 1}
+    redelivered = {g for r in everything
+                   for g, d in zip(r["groups"], r["deliveries"], strict=True) if d > 1}
 
     counts = {"learner/groups": len(trained_list),
               "buffer/redelivered_skipped": len(_ids(replay.effective, "skipped"))}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import pathlib
 import signal
 import sys
 import threading
@@ -59,7 +60,8 @@ def learner_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: st
     from headrace.learner.loop import Learner
     from headrace.metrics.core import Metrics
     from headrace.metrics.remote import Publisher
-    from headrace.runtime import build
+    from headrace.runtime import build, resume
+    from headrace.runtime.checkpoint import Checkpointer
 
     config, task, weights = _common(config_data, run_dir)
     buffer = build.make_buffer(config, url=url, run_id=run_id, consumer="learner-0")
@@ -67,16 +69,23 @@ def learner_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: st
     metrics = Metrics()
     publisher = Publisher(buffer.client, run_id, "learner", metrics, extra=buffer.stats).start()
     admission = build.make_admission(config, buffer, url=url, run_id=run_id)
-    learner = Learner(config, graphdef, params, buffer, weights, metrics, stop,
-                      allowed_v=task.sampler_settings.allowed_mask(task.dims.vocab_size),
-                      admission=admission)
-    if weights.latest_version() < 0:
-        learner.publish()  # version 0, before any actor starts
+    # Crash safety: restore the latest checkpoint of the run folder, if any (a resumed run).
+    checkpointer = Checkpointer(pathlib.Path(run_dir) / resume.CHECKPOINT_DIR,
+                                keep=resume.CHECKPOINTS_KEPT)
+    ledger = resume.Ledger(pathlib.Path(run_dir) / resume.LEDGER_DIR) if config.run.ledger \
+        else None
     try:
+        learner = Learner(config, graphdef, params, buffer, weights, metrics, stop,
+                          allowed_v=task.sampler_settings.allowed_mask(task.dims.vocab_size),
+                          admission=admission, checkpointer=checkpointer, ledger=ledger)
+        learner.publish_start()  # version 0, or the restored weights after a resume
         learner.run()
     finally:
         publisher.stop()
         buffer.close()
+        checkpointer.close()
+        if ledger is not None:
+            ledger.close()
 
 
 def actor_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: str, index: int,

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from headrace.buffer import MemoryBuffer, RedisBuffer
 from headrace.buffer.admission import (
     REFUSED_AGE,
     REFUSED_LAG,
@@ -24,7 +25,6 @@ from headrace.buffer.admission import (
     wait_admit,
 )
 from headrace.buffer.admission_redis import RedisAdmission
-from headrace.buffer import MemoryBuffer, RedisBuffer
 
 BACKENDS = ["memory", "redis"]
 

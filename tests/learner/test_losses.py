@@ -87,7 +87,7 @@ def reference_advantages(rewards, kind, std_norm):
     g = len(rewards)
     mean = sum(rewards) / g
     out = []
-    for i, r in enumerate(rewards):
+    for r in rewards:
         if kind == "grpo":
             a = r - mean
         else:
