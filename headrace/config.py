@@ -11,6 +11,7 @@ import dataclasses
 import pathlib
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, Literal
 
 import yaml
@@ -309,27 +310,34 @@ class Config:
         return max(self.weights.keep, self.staleness.max_policy_lag + 2)
 
     def to_dict(self) -> dict[str, Any]:
-        return _plain(dataclasses.asdict(self))
+        return plain(dataclasses.asdict(self))
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
+    """Dataclass-dict output with tuples as lists (YAML- and JSON-friendly)."""
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     return value
 
 
 # --- loading -------------------------------------------------------------------------------------
 
 
-def _coerce(value: Any, annotation: Any, key: str) -> Any:
-    """Checks `value` against a field annotation, converting where YAML is looser than Python."""
+Converters = dict[Any, Callable[[Any, str], Any]]
+
+
+def _coerce(value: Any, annotation: Any, key: str, converters: Converters | None = None) -> Any:
+    """Checks `value` against a field annotation, converting where YAML is looser than Python.
+
+    `converters` maps annotations of custom types to functions (value, key) -> converted value.
+    """
     origin = typing.get_origin(annotation)
+    if converters and annotation in converters:
+        return converters[annotation](value, key)
     if dataclasses.is_dataclass(annotation):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}={value!r}: must be a mapping of {annotation.__name__} keys")
-        return _build(annotation, value, key)
+        return build(annotation, value, key, converters)
     if origin is Literal:
         allowed = typing.get_args(annotation)
         _check(value in allowed, key, value, f"one of {', '.join(map(str, allowed))}")
@@ -375,7 +383,15 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     raise TypeError(f"unsupported config annotation {annotation} at {key}")
 
 
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+def build(cls: type, data: Any, prefix: str = "", converters: Converters | None = None) -> Any:
+    """Builds the dataclass `cls` from a nested mapping, checking keys and value types.
+
+    Raises:
+      ConfigError: an unknown key, a value of the wrong type, or one its `__post_init__` refuses.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'the top level'}={data!r}: must be a mapping of "
+                          f"{cls.__name__} keys")
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -384,7 +400,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
         if name not in fields:
             raise ConfigError(f"{key}: unknown key; {prefix or 'the top level'} has "
                               f"{', '.join(sorted(fields))}")
-        kwargs[name] = _coerce(value, hints[name], key)
+        kwargs[name] = _coerce(value, hints[name], key, converters)
     if cls is ModelConfig:
         preset = kwargs.get("preset", "tiny")
         sizes = {k: v for k, v in MODEL_PRESETS.get(preset, {}).items() if k not in kwargs}
@@ -413,6 +429,33 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def read_tree(path: str | pathlib.Path | None, overrides: typing.Sequence[str] = (),
+              data: dict | None = None, what: str = "config file") -> dict[str, Any]:
+    """A nested mapping from a YAML file (or a dict) with `section.key=value` overrides applied.
+
+    Raises:
+      ConfigError: the file is missing, not YAML, or not a mapping; an override is malformed.
+    """
+    tree: dict[str, Any] = dict(data or {})
+    if path is not None:
+        path = pathlib.Path(path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except (FileNotFoundError, IsADirectoryError):
+            raise ConfigError(f"{path}: no such {what}") from None
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path}: not valid YAML{where}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: must be a mapping of sections")
+        tree.update(loaded or {})
+    for override in overrides:
+        keys, value = parse_override(override)
+        _merge(tree, keys, value)
+    return tree
+
+
 def load(path: str | pathlib.Path | None = None, overrides: typing.Sequence[str] = (),
          data: dict | None = None) -> Config:
     """Builds a Config from a YAML file (or a dict) plus `section.key=value` overrides.
@@ -421,24 +464,7 @@ def load(path: str | pathlib.Path | None = None, overrides: typing.Sequence[str]
       ConfigError: the file is missing or not YAML, a key is unknown, or a value has the wrong type
         or is out of range. The message names the key, the value and what is allowed.
     """
-    tree: dict[str, Any] = dict(data or {})
-    if path is not None:
-        path = pathlib.Path(path)
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such config file") from None
-        except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"{path}: not valid YAML{where}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: must be a mapping of sections (run, env, model, ...)")
-        tree.update(loaded or {})
-    for override in overrides:
-        keys, value = parse_override(override)
-        _merge(tree, keys, value)
-    return _build(Config, tree, "")
+    return build(Config, read_tree(path, overrides, data))
 
 
 def replace(config: Config, **sections: dict[str, Any]) -> Config:
@@ -446,4 +472,4 @@ def replace(config: Config, **sections: dict[str, Any]) -> Config:
     tree = config.to_dict()
     for section, values in sections.items():
         tree[section].update(values)
-    return _build(Config, tree, "")
+    return build(Config, tree)

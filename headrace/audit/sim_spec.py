@@ -18,9 +18,8 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
-import yaml
 
-from headrace.config import ConfigError, _check, _coerce, parse_override
+from headrace.config import ConfigError, _check, _coerce, build, plain, read_tree
 
 DIST_KEYS: dict[str, tuple[str, ...]] = {
     "fixed": ("value",),
@@ -197,15 +196,7 @@ class SimSpec:
                self.duration_s, "must be a number > 0")
 
     def to_dict(self) -> dict[str, Any]:
-        return _plain(dataclasses.asdict(self))
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+        return plain(dataclasses.asdict(self))
 
 
 # --- loading -------------------------------------------------------------------------------------
@@ -240,37 +231,6 @@ def _dist(value: Any, key: str) -> Dist:
         raise ConfigError(f"{key}.{error}") from None
 
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'spec'}={data!r}: must be a mapping of "
-                          f"{cls.__name__} keys")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for name, value in data.items():
-        key = f"{prefix}.{name}" if prefix else str(name)
-        if name not in fields:
-            raise ConfigError(f"{key}: unknown key; {prefix or 'the top level'} has "
-                              f"{', '.join(sorted(fields))}")
-        hint = hints[name]
-        if hint is Dist:
-            kwargs[name] = _dist(value, key)
-        elif dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value, key)
-        else:
-            kwargs[name] = _coerce(value, hint, key)
-    return cls(**kwargs)
-
-
-def _merge(tree: dict, path: list[str], value: Any) -> None:
-    for name in path[:-1]:
-        node = tree.setdefault(name, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{'.'.join(path)}: {name} is not a section")
-        tree = node
-    tree[path[-1]] = value
-
-
 def load_spec(path: str | pathlib.Path | None = None, overrides: Sequence[str] = (),
               data: dict | None = None) -> SimSpec:
     """Builds a SimSpec from a YAML file (or a dict) plus `section.key=value` overrides.
@@ -279,25 +239,8 @@ def load_spec(path: str | pathlib.Path | None = None, overrides: Sequence[str] =
       ConfigError: the file is missing or not YAML, a key is unknown, or a value has the wrong type
         or is out of range. The message names the dotted key, the value and what is allowed.
     """
-    tree: dict[str, Any] = dict(data or {})
-    if path is not None:
-        path = pathlib.Path(path)
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except (FileNotFoundError, IsADirectoryError):
-            raise ConfigError(f"{path}: no such spec file") from None
-        except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"{path}: not valid YAML{where}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: must be a mapping (duration_s, actors, buffer, learner, "
-                              f"staleness)")
-        tree.update(loaded or {})
-    for override in overrides:
-        keys, value = parse_override(override)
-        _merge(tree, keys, value)
-    return _build(SimSpec, tree, "")
+    tree = read_tree(path, overrides, data, what="spec file")
+    return build(SimSpec, tree, converters={Dist: _dist})
 
 
 def with_actors(spec: SimSpec, count: int) -> SimSpec:

@@ -29,8 +29,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from headrace.buffer.admission import (
     Admission,
@@ -44,7 +42,7 @@ from headrace.buffer.admission import (
     decide,
     new_lease_id,
 )
-from headrace.buffer.redis_stream import GROUP
+from headrace.buffer.redis_stream import GROUP, connect
 from headrace.config import Config
 
 log = logging.getLogger(__name__)
@@ -162,10 +160,7 @@ class RedisAdmission(Admission):
         self._ttl_ms = max(1, int(round(lease_ttl_s * 1000)))
         self._own_client = isinstance(client, str)
         if isinstance(client, str):
-            self._where = client
-            self._client = redis.Redis.from_url(
-                client, password=password or None, socket_timeout=socket_timeout_s,
-                socket_connect_timeout=min(5.0, socket_timeout_s), retry=Retry(NoBackoff(), 0))
+            self._where, self._client = client, connect(client, password, socket_timeout_s)
         else:
             self._where, self._client = repr(client), client
         prefix = f"headrace:{{{run_id}:{shard}}}"

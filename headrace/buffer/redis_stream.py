@@ -190,6 +190,13 @@ def enable_ledger(client: redis.Redis, run_id: str, shard: int = 0) -> None:
     client.set(f"headrace:{{{run_id}:{shard}}}:ledger", 1)
 
 
+def connect(url: str, password: str | None, socket_timeout_s: float) -> redis.Redis:
+    """A client that fails fast on a lost connection: callers retry with their own backoff."""
+    return redis.Redis.from_url(
+        url, password=password or None, socket_timeout=socket_timeout_s,
+        socket_connect_timeout=min(5.0, socket_timeout_s), retry=Retry(NoBackoff(), 0))
+
+
 class RedisBuffer(Buffer):
     """The production buffer: groups in a Redis stream, learners in one consumer group.
 
@@ -233,10 +240,7 @@ class RedisBuffer(Buffer):
         self.consumer, self.retry_s = consumer, retry_s
         self._own_client = isinstance(client, str)
         if isinstance(client, str):
-            self._where = client
-            self._client = redis.Redis.from_url(
-                client, password=password or None, socket_timeout=socket_timeout_s,
-                socket_connect_timeout=min(5.0, socket_timeout_s), retry=Retry(NoBackoff(), 0))
+            self._where, self._client = client, connect(client, password, socket_timeout_s)
         else:
             if client.get_connection_kwargs().get("decode_responses"):
                 raise ValueError("the redis client must use decode_responses=False (payloads are "
@@ -641,6 +645,10 @@ class RedisBuffer(Buffer):
         stream, pending = {_str(i) for i in stream}, {_str(i) for i in pending}
         return {"undelivered": stream - pending, "pending": pending,
                 "quarantined": {_str(i) for i in quarantined}}
+
+    def added(self) -> int:
+        """Groups ever written to this run's stream, by every writer."""
+        return self._counts()[3]
 
     def written_group_ids(self) -> set[str]:
         """Group ids of every group written while the run's ledger was on (see `ledger`)."""

@@ -57,7 +57,7 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert "learner.minibatches=3: must divide learner.groups_per_batch=64" in lines[0]
+    assert "learner.minibatches=3: must divide learner.groups_per_batch=32" in lines[0]
 
 
 @pytest.mark.timeout(120)
