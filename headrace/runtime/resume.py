@@ -294,7 +294,8 @@ def accounting(run_dir: str | os.PathLike, client) -> dict[str, Any]:
         on RUN_DIR/redis.
 
     Returns:
-      Sets of group ids: `written` (every group put), `trained`, `dropped_by_reason` (reason ->
+      Sets of group ids: `written` (every group put; as many as `added`, the stream's count of
+      puts, unless a writer ran without the ledger), `trained`, `dropped_by_reason` (reason ->
       set), `quarantined` (malformed ones count by `entry:<id>`), `in_buffer` (undelivered or
       pending), `missing` (written, and none of the others: lost), `trained_twice` (trained more
       than once, or trained and dropped, in what the checkpoints keep), `unrecorded` (seen but
@@ -326,7 +327,7 @@ def accounting(run_dir: str | os.PathLike, client) -> dict[str, Any]:
     ids = buffer.all_ids()
     stream = _stream_groups(client, buffer.stream_key)
     quarantine = _stream_groups(client, buffer.quarantine_key, id_field=b"id")
-    written = buffer.written_group_ids()
+    written, added = buffer.written_group_ids(), buffer.added()
 
     def groups(entry_ids) -> set[str]:
         return {stream.get(i) or f"entry:{i}" for i in entry_ids}
@@ -358,6 +359,7 @@ def accounting(run_dir: str | os.PathLike, client) -> dict[str, Any]:
     return {
         "run_id": record["run_id"],
         "written": written,
+        "added": added,
         "trained": trained,
         "dropped_by_reason": dict(dropped),
         "quarantined": quarantined,
