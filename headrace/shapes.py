@@ -8,8 +8,8 @@ number of programs:
 - the learner's microbatches have shape `ShapePolicy.shape(bucket)`: with a token budget,
   `rows = token_budget // bucket` (at least 1), so every microbatch holds about the same number of
   token slots and memory stays flat across buckets; `shapes.rows_per_bucket` fixes the rows
-  instead. Without either, a minibatch is one microbatch whose rows are rounded up to a power of
-  two (`rows_for_count`).
+  instead. Without either, a minibatch is one microbatch whose rows are rounded up on a
+  coarse ladder (`rows_for_count`).
 """
 
 from __future__ import annotations
@@ -52,8 +52,14 @@ def batch_ladder(max_batch: int, smallest: int = 8, factor: int = 4) -> tuple[in
 
 
 def rows_for_count(count: int) -> int:
-    """The power of two >= `count` (>= 1): the row ladder used when no row count is fixed."""
-    return 1 << max(int(count) - 1, 0).bit_length()
+    """The smallest row count >= `count` on a ladder of four steps per octave: 1..8, then
+    m * 2^k with m in 5..8 (10, 12, 14, 16, 20, 24, ...). The ladder used when no row count is
+    fixed: at most 25 % padding rows (about 10 % on average) and 4 shapes per octave."""
+    count = max(int(count), 1)
+    if count <= 8:
+        return count
+    k = (count - 1).bit_length() - 3
+    return -(-count // (1 << k)) << k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +69,8 @@ class ShapePolicy:
     With `token_budget` or `rows_per_bucket` set ("fixed rows") there is exactly one shape per
     bucket, so a learner compiles at most `len(buckets)` train-step programs. Without them a
     minibatch is one microbatch of `rows_for_count(rows needed)` rows: at most
-    `len(buckets) * (log2(max rows) + 1)` shapes.
+    `len(buckets) * 4 * (log2(max rows) + 1)` shapes, in practice a few per bucket since a step's
+    trajectory count hardly varies.
 
     Raises:
       ValueError: buckets empty, not strictly increasing or below 1; a negative budget or row count.

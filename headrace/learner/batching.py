@@ -1,9 +1,11 @@
 """From groups to fixed-shape microbatches (host side, NumPy), and a prefetcher that runs ahead.
 
 One learner step consumes its groups as `learner.minibatches` optimizer updates: the groups are
-split in order into that many minibatches, and each minibatch is packed (`packing.py`) into one or
-more microbatches of shapes from the policy (`headrace.shapes.ShapePolicy`). The train step sums the
-microbatches' gradients and applies one update per minibatch.
+split in order into that many minibatches (fewer when there are fewer groups), and each minibatch
+is packed (`packing.py`) into one or more microbatches of shapes from the policy
+(`headrace.shapes.ShapePolicy`). The train step sums the microbatches' gradients and applies one
+update per minibatch. The packing plan is a pure function of the trajectory lengths, so with
+several learner hosts process 0 can decide it and broadcast it.
 
 Per token each microbatch carries `tokens`, `positions` (restarting at 0 per segment),
 `segment_ids` (1, 2, ... per row; 0 is padding), `loss_mask`, `behaviour_logprobs`, `advantages`

@@ -157,7 +157,7 @@ class TrainStep:
             def update(_):
                 updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
                 params = optax.apply_updates(state.params, updates)
-                norms = (optax.global_norm(grads), optax.global_norm(updates))
+                norms = (optax.tree.norm(grads), optax.tree.norm(updates))
                 return (TrainState(state.step + 1, params, opt_state, state.ref_params),
                         jax.tree.map(jnp.zeros_like, grads), norms)
 
@@ -169,7 +169,7 @@ class TrainStep:
             sums["learner/grad_norm"] = sums["learner/grad_norm"] + grad_norm
             sums["learner/update_norm"] = sums["learner/update_norm"] + update_norm
             metrics = _finish(sums, per_update)
-            metrics["learner/param_norm"] = optax.global_norm(state.params)
+            metrics["learner/param_norm"] = optax.tree.norm(state.params)
             return (state, Accum(grads, sums, anchor)), metrics
 
         self._decoupled = decoupled
@@ -191,8 +191,13 @@ class TrainStep:
         anchor = jax.tree.map(jnp.zeros_like, state.params) if self._decoupled else None
         return Accum(grads, sums, anchor)
 
-    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+    def __call__(self, state: TrainState, batch: Batch,
+                 sync: bool = False) -> tuple[TrainState, dict[str, Any]]:
         """One learner step: `batch.updates` optimizer updates. An empty batch changes nothing.
+
+        Args:
+          sync: wait for each microbatch before dispatching the next (benchmarks: the compilation
+            of a new shape then never overlaps the previous microbatch's computation).
 
         Returns:
           (state, metrics): metrics are device scalars (empty for an empty batch).
@@ -207,6 +212,8 @@ class TrainStep:
             arrays = {k: mb.arrays[k] for k in TRAIN_FIELDS}
             carry, metrics = self._step(carry, arrays, np.bool_(i == 0), np.bool_(mb.last),
                                         per_update)
+            if sync:
+                jax.block_until_ready(carry)  # deliberate sync (measurement only)
         state, self._acc = carry
         return state, metrics
 

@@ -3,6 +3,8 @@
 import importlib.util
 import json
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -49,7 +51,11 @@ def test_shape_policy():
         policy.rows(100)
     with pytest.raises(ValueError, match="strictly increasing"):
         ShapePolicy((64, 32))
-    assert [rows_for_count(n) for n in (0, 1, 2, 3, 8, 9)] == [1, 1, 2, 4, 8, 16]
+    assert [rows_for_count(n) for n in (0, 1, 3, 8, 9, 11, 17, 120, 129, 192)] == [
+        1, 1, 3, 8, 10, 12, 20, 128, 160, 192]
+    for n in range(1, 3000):  # the smallest ladder value >= n, never 25 % more than needed
+        r = rows_for_count(n)
+        assert n <= r <= max(n * 1.25, 8) and rows_for_count(r) == r
 
 
 @pytest.mark.parametrize("layout", list(packing.LAYOUTS))
@@ -91,7 +97,7 @@ def test_bucketed_is_deterministic_and_efficient_on_lognormal_lengths():
     assert used / padded < 0.25
 
 
-def test_unfixed_rows_pack_one_power_of_two_microbatch():
+def test_unfixed_rows_pack_one_microbatch_on_the_row_ladder():
     policy = ShapePolicy((4, 8, 12))
     lengths = [11, 10, 9, 5, 6, 3, 2, 11, 7]
     (plan,) = packing.bucketed(lengths, policy)
@@ -123,12 +129,13 @@ def test_plan_step_is_per_minibatch_and_rejects_unknown_layouts():
 
 
 @pytest.mark.timeout(240)
-def test_packing_bench_quick_reports_every_key(capsys):
-    spec = importlib.util.spec_from_file_location("bench_packing", ROOT / "benchmarks/packing.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.main(["--quick", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
+def test_packing_bench_quick_reports_every_key():
+    # A fresh process: the bench turns the persistent compilation cache off before JAX compiles
+    # anything, so its compile counts and times are real even when this suite shares a cache.
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/packing.py"), "--quick", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=220)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
     keys = {"packing_efficiency", "compiles", "compile_s", "tokens_per_s",
             "tokens_per_s_with_compile", "wall_s"}
     assert set(result) == {"bucketed", "pad_to_max", "per_length"}
@@ -136,7 +143,7 @@ def test_packing_bench_quick_reports_every_key(capsys):
         assert set(values) == keys, way
         assert values["compiles"] >= 1 and values["compile_s"] > 0 and values["wall_s"] > 0
         assert 0 < values["packing_efficiency"] <= 1
-    assert result["bucketed"]["compiles"] <= 3  # the quick ladder has three buckets
+    assert result["bucketed"]["compiles"] <= 2  # the quick ladder has two buckets
     assert result["pad_to_max"]["compiles"] == 1
     assert result["bucketed"]["packing_efficiency"] > result["pad_to_max"]["packing_efficiency"]
 

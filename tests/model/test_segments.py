@@ -47,7 +47,7 @@ def test_packed_logprobs_equal_solo_logprobs():
     packed_rows = 0
     seen = set()
     for mb in batch.microbatches:
-        packed = np.asarray(logprobs(params, mb.arrays))  # [R, W-1]: entry j scores token j+1
+        packed = np.asarray(logprobs(params, mb.arrays)[0])  # [R, W-1]: j scores token j+1
         segments = mb.arrays["segment_ids"]
         packed_rows += int((segments.max(axis=1) >= 2).sum())
         for row in range(segments.shape[0]):
@@ -64,7 +64,7 @@ def test_packed_logprobs_equal_solo_logprobs():
                 alone["tokens"][0, :n] = trajectory.tokens
                 alone["positions"][0, :n] = np.arange(n)
                 alone["segment_ids"][0, :n] = 1
-                solo = np.asarray(logprobs(params, alone))[0, :n - 1]
+                solo = np.asarray(logprobs(params, alone)[0])[0, :n - 1]
                 np.testing.assert_allclose(packed[row, start:start + n - 1], solo, atol=1e-5)
                 seen.add(trajectory.trajectory_id)
     assert len(seen) == len(lengths)

@@ -1,0 +1,234 @@
+"""The batcher against a slow per-trajectory reference; exact gradient accumulation; prefetching."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from headrace.config import LearnerConfig, LossConfig, ShapesConfig
+from headrace.learner.batching import TRAIN_FIELDS, Batcher, Prefetcher
+from headrace.learner.train_step import init_state, make_optimizer, make_train_step
+from headrace.metrics.core import Metrics
+from headrace.model import params as params_lib
+from headrace.model.transformer import ModelDims
+from headrace.types import STATUS_ERROR, Group, Trajectory
+
+BUCKETS = (8, 16, 32)
+
+
+def make_groups(lengths_per_group, seed=0, vocab=32):
+    """Groups whose trajectories have globally unique first tokens (their index), random rest."""
+    rng = np.random.default_rng(seed)
+    groups, index = [], 0
+    for g, lengths in enumerate(lengths_per_group):
+        items = []
+        for n in lengths:
+            tokens = rng.integers(0, vocab, n).astype(np.int32)
+            tokens[0] = 1000 + index
+            items.append(Trajectory(
+                f"t{index}", f"g{g}", f"task{g}", "e", "a", tokens, rng.random(n) < 0.6,
+                -rng.random(n).astype(np.float32),
+                rng.integers(0, 5, n).astype(np.int32), [], float(rng.normal())))
+            index += 1
+        groups.append(Group(f"g{g}", f"task{g}", items))
+    return groups
+
+
+def segments(batch):
+    """{first token: (minibatch, per-field arrays)} read back from the packed microbatches."""
+    out = {}
+    for mb in batch.microbatches:
+        seg = mb.arrays["segment_ids"]
+        for row in range(seg.shape[0]):
+            for s in range(1, seg[row].max() + 1):
+                cols = np.flatnonzero(seg[row] == s)
+                assert np.all(np.diff(cols) == 1), "a segment must be contiguous"
+                fields = {k: np.asarray(v[row, cols]) for k, v in mb.arrays.items()}
+                out[int(fields["tokens"][0])] = (mb.minibatch, fields)
+    return out
+
+
+def reference(groups, cfg: LearnerConfig, longest: int):
+    """Slow reference: per trajectory the expected per-token fields, minibatch by minibatch."""
+    per_mb = np.array_split(np.arange(len(groups)), cfg.minibatches)
+    expected = {}
+    for m, split in enumerate(per_mb):
+        chosen = []
+        for gi in split:
+            group = groups[gi]
+            valid = [t.status != STATUS_ERROR for t in group.trajectories]
+            rewards = [t.reward for t, v in zip(group.trajectories, valid) if v]
+            mean = sum(rewards) / len(rewards)
+            for t, v in zip(group.trajectories, valid):
+                n = min(len(t), longest)
+                mask = [bool(x) for x in t.loss_mask[:n]]
+                mask[0] = False
+                if v and any(mask):
+                    chosen.append((t, n, mask, t.reward - mean if len(rewards) > 1 else 0.0))
+        total = sum(sum(mask) for _, _, mask, _ in chosen)
+        for t, n, mask, adv in chosen:
+            if cfg.loss_agg == "token_mean":
+                weight = [x / total for x in mask]
+            else:
+                weight = [x / sum(mask) / len(chosen) for x in mask]
+            expected[int(t.tokens[0])] = (m, t, n, mask, adv, weight)
+    return expected
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("budget", [0, 32])
+def test_batch_matches_reference(loss_agg, budget):
+    rng = np.random.default_rng(1)
+    lengths = [list(rng.integers(1, 40, 4)) for _ in range(6)]  # some longer than 32: truncated
+    groups = make_groups(lengths)
+    groups[2].trajectories[1].status = STATUS_ERROR
+    cfg = LearnerConfig(groups_per_batch=6, minibatches=2, token_budget=budget, loss_agg=loss_agg)
+    metrics = Metrics()
+    batch = Batcher(cfg, ShapesConfig(buckets=BUCKETS), metrics).build(groups)
+    got, want = segments(batch), reference(groups, cfg, BUCKETS[-1])
+    assert set(got) == set(want)
+    for key, (m, t, n, mask, adv, weight) in want.items():
+        minibatch, fields = got[key]
+        assert minibatch == m
+        np.testing.assert_array_equal(fields["tokens"], t.tokens[:n])
+        np.testing.assert_array_equal(fields["positions"], np.arange(n))
+        np.testing.assert_array_equal(fields["loss_mask"], mask)
+        np.testing.assert_allclose(fields["behaviour_logprobs"], t.behaviour_logprobs[:n])
+        np.testing.assert_array_equal(fields["policy_version"], t.policy_version[:n])
+        np.testing.assert_allclose(fields["advantages"], adv, atol=1e-6)
+        np.testing.assert_allclose(fields["weight"], weight, rtol=1e-6)
+    for m in range(2):  # weights sum to 1 over each minibatch, across its microbatches
+        total = sum(mb.arrays["weight"].sum() for mb in batch.microbatches if mb.minibatch == m)
+        assert total == pytest.approx(1.0, abs=1e-5)
+    assert [mb.minibatch for mb in batch.microbatches] == sorted(
+        mb.minibatch for mb in batch.microbatches)
+    assert [mb.last for mb in batch.microbatches].count(True) == batch.updates == 2
+    following = [mb.minibatch for mb in batch.microbatches[1:]] + [None]
+    assert [mb.last for mb in batch.microbatches] == [
+        mb.minibatch != nxt for mb, nxt in zip(batch.microbatches, following)]
+    truncated = sum(len(t) > 32 for g in groups for t in g.trajectories if t.status != "error")
+    assert metrics.counters["batch/truncated"] == truncated > 0
+    assert metrics.gauges["batch/packing_efficiency"] == pytest.approx(batch.packing_efficiency)
+    if budget:
+        assert batch.shapes <= {(4, 8), (2, 16), (1, 32)}
+
+
+def test_overlong_reject_is_counted_and_left_out():
+    groups = make_groups([[10, 50, 20, 33]])
+    metrics = Metrics()
+    cfg = LearnerConfig(groups_per_batch=1, token_budget=32)
+    batch = Batcher(cfg, ShapesConfig(buckets=BUCKETS, overlong="reject"), metrics).build(groups)
+    assert metrics.counters["batch/rejected"] == 2
+    assert "batch/truncated" not in metrics.counters
+    lengths = sorted(len(f["tokens"]) for _, f in segments(batch).values())
+    assert lengths == [10, 20]
+
+
+def test_nothing_to_train_gives_an_empty_batch():
+    groups = make_groups([[5, 6]])
+    for t in groups[0].trajectories:
+        t.loss_mask[:] = False
+    batch = Batcher(LearnerConfig(groups_per_batch=1), ShapesConfig(buckets=BUCKETS),
+                    Metrics()).build(groups)
+    assert batch.microbatches == [] and batch.updates == 0 and batch.packing_efficiency == 1.0
+
+
+@pytest.mark.timeout(120)
+def test_microbatch_gradients_sum_to_the_minibatch_gradient():
+    """Many small microbatches (token budget 32) update exactly like one microbatch (no budget),
+    with two minibatches and the decoupled loss (its proximal policy: the step's first weights)."""
+    groups = make_groups([[5, 9, 14, 30], [3, 8, 21, 12], [7, 7, 25, 2], [16, 11, 4, 19]])
+    dims = ModelDims(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
+    graphdef, params = params_lib.init(dims, 0)
+    for g in groups:
+        for t in g.trajectories:
+            t.tokens[0] = t.tokens[0] % 32
+    results = []
+    for budget in (0, 32):
+        cfg = LearnerConfig(groups_per_batch=4, minibatches=2, token_budget=budget,
+                            loss=LossConfig(kind="decoupled"), entropy_coef=0.01)
+        batch = Batcher(cfg, ShapesConfig(buckets=(16, 32)), Metrics()).build(groups)
+        optimizer = make_optimizer(cfg.optimizer)
+        state = init_state(jax.tree.map(np.array, params), optimizer, 0.0)
+        state, metrics = make_train_step(graphdef, cfg, 1.0, optimizer)(state, batch)
+        results.append((len(batch.microbatches), jax.device_get((state, metrics))))
+    (n_single, (single, m_single)), (n_micro, (micro, m_micro)) = results
+    assert n_single == 2 and n_micro > 4
+    assert int(single.step) == int(micro.step) == 2
+    for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(micro.params)):
+        np.testing.assert_allclose(a, b, atol=2e-6)
+    for key in ("loss/pg", "loss/entropy", "learner/grad_norm", "is/ess", "is/ratio_max"):
+        assert m_single[key] == pytest.approx(m_micro[key], rel=1e-4, abs=1e-6), key
+
+
+# --- prefetching ---------------------------------------------------------------------------------
+
+
+def _batcher():
+    return Batcher(LearnerConfig(groups_per_batch=1, token_budget=32),
+                   ShapesConfig(buckets=BUCKETS), Metrics())
+
+
+@pytest.mark.timeout(20)
+def test_prefetcher_runs_ahead_by_depth_and_keeps_order():
+    calls = []
+
+    def source(index):
+        calls.append(index)
+        return make_groups([[5 + index % 7, 9]], seed=index) if index < 6 else None
+
+    moved = []
+
+    def put(arrays):
+        moved.append(sorted(arrays))
+        return {k: v.copy() for k, v in arrays.items()}
+
+    prefetcher = Prefetcher(_batcher(), source, depth=2, put=put)
+    try:
+        deadline = time.monotonic() + 5
+        while len(calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert calls == [0, 1, 2]  # two waiting, one built and blocked: no further reads
+        got = []
+        while (item := prefetcher.get(timeout_s=5)) is not None:
+            got.append(item.index)
+            assert item.batch.microbatches and item.source[0].group_id == "g0"
+        assert got == list(range(6))
+        assert prefetcher.get(timeout_s=1) is None
+        assert all(keys == sorted(TRAIN_FIELDS) for keys in moved)
+    finally:
+        prefetcher.close()
+    assert not prefetcher._thread.is_alive()
+
+
+@pytest.mark.timeout(20)
+def test_prefetcher_reraises_source_errors_and_closes_while_blocked():
+    def failing(index):
+        if index == 1:
+            raise RuntimeError("buffer went away")
+        return make_groups([[6]])
+
+    prefetcher = Prefetcher(_batcher(), failing, depth=1)
+    try:
+        assert prefetcher.get(timeout_s=5).index == 0
+        with pytest.raises(RuntimeError, match="buffer went away"):
+            prefetcher.get(timeout_s=5)
+    finally:
+        prefetcher.close()
+    endless = Prefetcher(_batcher(), lambda index: make_groups([[6]]), depth=1)
+    time.sleep(0.1)  # the thread now blocks on a full queue
+    endless.close(timeout_s=2)
+    assert not endless._thread.is_alive()
+    assert threading.active_count() < 50
+
+
+def test_prefetcher_depth_zero_builds_inline():
+    calls = []
+    prefetcher = Prefetcher(_batcher(), lambda i: calls.append(i) or make_groups([[6]]), depth=0)
+    assert calls == []
+    assert prefetcher.get().index == 0 and calls == [0]
+    with pytest.raises(ValueError, match="depth=-1"):
+        Prefetcher(_batcher(), lambda i: None, depth=-1)

@@ -1,0 +1,103 @@
+"""Bounded recompilation: a learner fed 200 distinct trajectory lengths compiles at most one
+train-step program per (rows, bucket) shape of its policy.
+
+Programs are counted twice: JAX traces (one per new input shape, whether or not the persistent
+compilation cache then supplies the executable) and backend compilations (`learner/compiles`).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from headrace.buffer.memory import MemoryBuffer
+from headrace.config import load
+from headrace.learner.loop import Learner
+from headrace.metrics import compiles
+from headrace.metrics.core import Metrics
+from headrace.model import params as params_lib
+from headrace.model.transformer import ModelDims
+from headrace.shapes import ShapePolicy
+from headrace.types import Group, Trajectory
+from headrace.weights.memory import MemoryWeightStore
+
+VOCAB = 16
+_traces: collections.Counter[str] = collections.Counter()
+
+
+def _count_traces(event: str, duration: float, **kwargs) -> None:
+    if event == "/jax/core/compile/jaxpr_trace_duration":
+        _traces[str(kwargs.get("fun_name", "?"))] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_traces)
+
+
+def groups_with_lengths(lengths, group_size: int) -> list[Group]:
+    rng = np.random.default_rng(0)
+    groups = []
+    for g, start in enumerate(range(0, len(lengths), group_size)):
+        items = []
+        for j, n in enumerate(lengths[start:start + group_size]):
+            mask = np.arange(n) >= n // 3
+            items.append(Trajectory(
+                f"g{g}.{j}", f"g{g}", f"t{g}", "e", "a",
+                rng.integers(0, VOCAB, n).astype(np.int32), mask,
+                np.where(mask, -2.7, 0).astype(np.float32), np.where(mask, 0, -1).astype(np.int32),
+                [], float(rng.normal()), timings={"started": 0.0}))
+        groups.append(Group(f"g{g}", f"t{g}", items, put_version=0))
+    return groups
+
+
+@pytest.mark.timeout(180)
+def test_learner_compiles_at_most_one_program_per_shape():
+    lengths = list(np.random.default_rng(1).permutation(np.arange(2, 202)))  # 200 distinct
+    steps = 10
+    config = load(data={
+        "run": {"max_steps": steps},
+        "model": {"preset": "custom", "d_model": 16, "n_layers": 1, "n_heads": 2,
+                  "n_kv_heads": 1, "d_ff": 32, "max_len": 256},
+        "learner": {"groups_per_batch": 5, "minibatches": 1, "token_budget": 512},
+        "shapes": {"buckets": [64, 128, 256]},
+        "buffer": {"capacity": 64},
+        "staleness": {"max_policy_lag": 1000}})
+    policy = ShapePolicy.from_config(config.shapes, config.learner)
+    assert len(policy.shapes()) == 3
+    graphdef, params = params_lib.init(ModelDims.from_config(config.model, VOCAB), 0)
+    buffer = MemoryBuffer(capacity=64)
+    buffer.put(groups_with_lengths(lengths, group_size=4), timeout_s=5)
+    metrics, stop = Metrics(), threading.Event()
+    learner = Learner(config, graphdef, params, buffer, MemoryWeightStore(keep=4), metrics, stop)
+    seen_shapes = set()
+    build = learner.batcher.build
+
+    def recording_build(groups):
+        batch = build(groups)
+        seen_shapes.update(batch.shapes)
+        return batch
+
+    learner.batcher.build = recording_build
+    traces_before = sum(n for f, n in _traces.items() if "train_step" in f)
+    compiles_before = compiles.compiles("train_step")
+    learner.publish_start()
+    thread = threading.Thread(target=learner.run, name="test-learner", daemon=True)
+    thread.start()
+    try:
+        thread.join(timeout=150)
+        assert not thread.is_alive(), "the learner did not finish its steps"
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    assert learner.step == steps
+    traces = sum(n for f, n in _traces.items() if "train_step" in f) - traces_before
+    compiled = compiles.compiles("train_step") - compiles_before
+    assert seen_shapes <= set(policy.shapes())
+    assert 1 <= traces == len(seen_shapes) <= len(policy.shapes())
+    assert compiled <= len(policy.shapes())
+    assert metrics.gauges["learner/compiles"] >= compiled
+    assert metrics.gauges["batch/packing_efficiency"] > 0.5
+    assert "batch/truncated" not in metrics.counters
