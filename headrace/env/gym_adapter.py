@@ -22,7 +22,7 @@ MountainCar, Acrobot: reaching the goal).
 `solve(seed)`: tabular environments with a transition table `P` (FrozenLake, CliffWalking, Taxi)
 get a breadth-first search over their deterministic transitions from the seed's start state to
 the best terminal transition (so a slippery lake has none); CartPole gets a linear controller that
-survives to 500 steps. Others raise NotImplementedError.
+survives to 500 steps. Others raise NoSolver.
 """
 
 from __future__ import annotations
@@ -58,6 +58,10 @@ MAX_BOX_DIMS = 64
 def _family(env_id: str) -> str:
     return env_id.split("/")[-1].rsplit("-v", 1)[0]
 
+
+
+class NoSolver(ValueError):
+    """The environment offers no demonstration solver (`solve`) for this task."""
 
 class GymEnv(Env):
     """A Gymnasium environment behind the text API (see the module docstring).
@@ -194,7 +198,7 @@ class GymEnv(Env):
         """The actions of a successful episode for `seed`, where a solver exists.
 
         Raises:
-          NotImplementedError: no solver for this environment, or no deterministic path
+          NoSolver: no solver for this environment, or no deterministic path
             (e.g. a slippery FrozenLake).
         """
         import gymnasium
@@ -206,7 +210,7 @@ class GymEnv(Env):
                                                           gymnasium.spaces.Discrete):
                 path = _bfs(env.unwrapped.P, int(obs))
                 if path is None:
-                    raise NotImplementedError(f"gym {self.id}: no deterministic path to the goal "
+                    raise NoSolver(f"gym {self.id}: no deterministic path to the goal "
                                               f"from state {int(obs)} (slippery?)")
                 return [self.spec.action_words[a - self._action_start] for a in path]
             if self.family == "CartPole":
@@ -214,7 +218,7 @@ class GymEnv(Env):
                                                           + 0.1 * o[1] > 0))
         finally:
             env.close()
-        raise NotImplementedError(f"gym {self.id}: no solver for this environment")
+        raise NoSolver(f"gym {self.id}: no solver for this environment")
 
     def _play(self, env, obs, policy) -> list[str]:
         actions = []

@@ -8,7 +8,7 @@ import pytest
 
 from headrace.config import EnvConfig
 from headrace.env.base import EnvError
-from headrace.env.gym_adapter import GymEnv, _bfs
+from headrace.env.gym_adapter import GymEnv, NoSolver, _bfs
 from headrace.env.registry import env_factory
 
 
@@ -41,7 +41,7 @@ def test_frozen_lake_hole_and_slippery_has_no_solver():
     assert (total, terminated, info["success"], seen[-1]) == (0.0, True, False, "s5")
     slippery = GymEnv(id="FrozenLake-v1", is_slippery=True)
     assert len(slippery.env.unwrapped.P[0][1]) == 3  # the kwarg reached gymnasium
-    with pytest.raises(NotImplementedError, match="deterministic"):
+    with pytest.raises(NoSolver, match="deterministic"):
         slippery.solve(0)
 
 
@@ -88,7 +88,7 @@ def test_other_spaces_blackjack_and_taxi():
     obs, _ = blackjack.reset(1)
     assert len(obs.split()) == 3 and set(obs.split()) <= set(blackjack.spec.vocabulary)
     assert blackjack.spec.action_words == ("stick", "hit")
-    with pytest.raises(NotImplementedError, match="no solver"):
+    with pytest.raises(NoSolver, match="no solver"):
         blackjack.solve(1)
     taxi = GymEnv(id="Taxi-v4")
     taxi.reset(3)
