@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     result, trained = {}, {}
     for way in ways:
         result[way], trained[way] = run_way(way, groups, cfg, dims, clock)
-        print(f"  {way}: {result[way]['wall_s']:.1f} s", file=sys.stderr)
+        print(f"  {way}: " + ", ".join(f"{k} {v:.4g}" for k, v in result[way].items()),
+              file=sys.stderr, flush=True)
     if len(set(trained.values())) != 1:
         raise RuntimeError(f"the ways trained on different token counts: {trained}")
     emit(result, as_json=args.json, title="packing: bucketed vs pad_to_max vs per_length")
