@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     dims = ModelDims.from_config(cfg.model, VOCAB)
     groups = make_groups(lengths, args.group_size, args.seed)
     print(f"packing bench: {len(lengths)} trajectories (mean length {lengths.mean():.0f}, max "
-          f"{lengths.max()}), {len(groups)} groups, {args.groups_per_batch} groups per step, "
+          f"{lengths.max()}; {int((lengths > buckets[-1]).sum())} truncated to the largest bucket), "
+          f"{len(groups)} groups, {args.groups_per_batch} groups per step, "
           f"token budget {args.token_budget}, buckets {buckets[0]}..{buckets[-1]}, model "
           f"d={dims.d_model} x{dims.n_layers}", file=sys.stderr)
     clock = CompileClock()
