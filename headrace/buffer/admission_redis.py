@@ -42,7 +42,7 @@ from headrace.buffer.admission import (
     decide,
     new_lease_id,
 )
-from headrace.buffer.redis_stream import GROUP, connect
+from headrace.buffer.redis_stream import GROUP, call_with_retry, connect
 from headrace.config import Config
 
 log = logging.getLogger(__name__)
@@ -189,25 +189,9 @@ class RedisAdmission(Admission):
 
     def _call(self, what: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """Runs one request, retrying a lost connection with exponential backoff."""
-        start, delay, retries = time.monotonic(), 0.05, 0
-        while True:
-            try:
-                return fn(*args, **kwargs)
-            except redis.AuthenticationError as error:
-                raise AdmissionError(f"Redis at {self._where} refused authentication during "
-                                     f"admission {what} ({error}); set buffer.password") from None
-            except (redis.ConnectionError, redis.TimeoutError) as error:
-                elapsed = time.monotonic() - start
-                if elapsed + delay > self.retry_s:
-                    raise AdmissionError(
-                        f"lost the connection to Redis at {self._where} during admission {what} "
-                        f"and gave up after {retries} retries over {elapsed:.1f} s: {error}"
-                    ) from error
-                retries += 1
-                log.warning("admission %s at %s failed (%s); retry %d in %.2f s", what,
-                            self._where, error, retries, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        return call_with_retry(lambda: fn(*args, **kwargs), where=self._where,
+                               what=f"admission {what}", retry_s=self.retry_s,
+                               error=AdmissionError, auth_hint="set buffer.password")
 
     def learner_update(self, version: int, since_publish: int, queued: int, step_s: float,
                        host: str = "0") -> None:

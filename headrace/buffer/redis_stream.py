@@ -197,6 +197,33 @@ def connect(url: str, password: str | None, socket_timeout_s: float) -> redis.Re
         socket_connect_timeout=min(5.0, socket_timeout_s), retry=Retry(NoBackoff(), 0))
 
 
+def call_with_retry(fn: Callable[[], _T], *, where: str, what: str, retry_s: float,
+                    error: type[Exception], on_retry: Callable[[], None] | None = None,
+                    auth_hint: str = "", lost_hint: str = "") -> _T:
+    """Runs `fn`, retrying a lost connection with exponential backoff (0.05 s doubling to 2 s)
+    for at most `retry_s`; then, or on a refused password, raises `error` with the reason."""
+    start, delay, retries = time.monotonic(), 0.05, 0
+    while True:
+        try:
+            return fn()
+        except redis.AuthenticationError as exc:
+            raise error(f"Redis at {where} refused authentication during {what} ({exc}); "
+                        f"{auth_hint}") from None
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            elapsed = time.monotonic() - start
+            if elapsed + delay > retry_s:
+                raise error(f"lost the connection to Redis at {where} during {what} and gave "
+                            f"up after {retries} retries over {elapsed:.1f} s: {exc}. "
+                            f"{lost_hint}") from exc
+            retries += 1
+            if on_retry is not None:
+                on_retry()
+            log.warning("Redis %s at %s failed (%s); retry %d in %.2f s", what, where, exc,
+                        retries, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
 class RedisBuffer(Buffer):
     """The production buffer: groups in a Redis stream, learners in one consumer group.
 
@@ -295,30 +322,18 @@ class RedisBuffer(Buffer):
 
     def _call(self, what: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """Runs one Redis request, retrying a lost connection with exponential backoff."""
-        start, delay, retries = time.monotonic(), 0.05, 0
-        while True:
-            try:
-                return fn(*args, **kwargs)
-            except redis.AuthenticationError as error:
-                raise BufferError(
-                    f"Redis at {self._where} refused authentication during {what} ({error}); "
-                    "set buffer.password to the server's requirepass") from None
-            except (redis.ConnectionError, redis.TimeoutError) as error:
-                elapsed = time.monotonic() - start
-                if elapsed + delay > self.retry_s:
-                    raise BufferError(
-                        f"lost the connection to Redis at {self._where} during {what} and gave "
-                        f"up after {retries} retries over {elapsed:.1f} s: {error}. Is "
-                        "redis-server running (its log is in the run folder's redis/)?") from error
-                retries += 1
-                with self._lock:
-                    self._reconnects += 1
-                    if what.startswith("get"):
-                        self._own_cursor = "0-0"  # a lost reply may have handed us entries
-                log.warning("Redis %s at %s failed (%s); retry %d in %.2f s", what, self._where,
-                            error, retries, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+
+        def on_retry() -> None:
+            with self._lock:
+                self._reconnects += 1
+                if what.startswith("get"):
+                    self._own_cursor = "0-0"  # a lost reply may have handed us entries
+
+        return call_with_retry(
+            lambda: fn(*args, **kwargs), where=self._where, what=what, retry_s=self.retry_s,
+            error=BufferError, on_retry=on_retry,
+            auth_hint="set buffer.password to the server's requirepass",
+            lost_hint="Is redis-server running (its log is in the run folder's redis/)?")
 
     def _check_server(self) -> None:
         info = self._call("connect", self._client.info, "server")
