@@ -83,7 +83,7 @@ def read_run(run_dir: pathlib.Path, start: float) -> dict:
 
 def run_training(data: dict) -> dict:
     from headrace.config import load
-    from headrace.runtime.processes import train
+    from headrace.runtime import train
 
     start = time.time()
     train(load(data=data), live=False, t0=start)

@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("args", nargs=argparse.REMAINDER)
     simulate = sub.add_parser("simulate", help="discrete-event simulation of a planned fleet")
     simulate.add_argument("args", nargs=argparse.REMAINDER)
+    audit = sub.add_parser("audit", help="latency audit and actor-pool sizing (CONFIG | RUN_DIR)")
+    audit.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -57,13 +59,9 @@ def _train(args) -> int:
             summary = train(resume.load_config(args.resume, args.set), live=live,
                             resume_dir=args.resume)
         else:
-            config = load(args.config, args.set)
-            if config.run.launcher == "processes":
-                from headrace.runtime.processes import train
-            else:
-                from headrace.runtime.threads import train
+            from headrace.runtime import train
 
-            summary = train(config, live=live)
+            summary = train(load(args.config, args.set), live=live)
     except (ConfigError, EnvError) as error:
         return _fail(str(error))
     if args.json:
@@ -92,6 +90,12 @@ def _simulate(args) -> int:
     return int(simulate.main(args.args) or 0)
 
 
+def _audit(args) -> int:
+    from headrace.audit import audit
+
+    return int(audit.main(args.args) or 0)
+
+
 def _compilation_cache() -> None:
     """Reuses compiled XLA programs across runs (JAX's persistent cache), unless the user chose
     a cache directory already or set HEADRACE_COMPILE_CACHE= (empty) to turn it off."""
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
-    handlers = {"train": _train, "bench": _bench, "simulate": _simulate}
+    handlers = {"train": _train, "bench": _bench, "simulate": _simulate, "audit": _audit}
     return handlers[args.command](args)
 
 

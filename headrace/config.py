@@ -40,6 +40,7 @@ class RunConfig:
     ledger: bool = False  # record every group written, trained, dropped (exact accounting; costly)
     launcher: Literal["threads", "processes", "ray"] = "threads"  # how components are run
     log_every: int = 10  # learner steps between metric records
+    trace_rate: float = 0.01  # share of groups traced stage by stage into traces.jsonl (0: off)
     learner_cpus: tuple[int, ...] = ()  # processes launcher: pin the learner (and 1 XLA thread) here
     actor_cpus: tuple[int, ...] = ()  # processes launcher: pin the actors here (empty: anywhere)
 
@@ -51,6 +52,7 @@ class RunConfig:
         _check(self.max_wall_s >= 0, "run.max_wall_s", self.max_wall_s, "must be >= 0")
         _check(0 < self.eval_target <= 1, "run.eval_target", self.eval_target, "must be in (0, 1]")
         _check(self.log_every >= 1, "run.log_every", self.log_every, "must be >= 1")
+        _check(0 <= self.trace_rate <= 1, "run.trace_rate", self.trace_rate, "must be in [0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable
 
 from headrace.actor.episode import EpisodeResult, run_episode
@@ -46,6 +47,11 @@ def to_trajectory(result: EpisodeResult, *, trajectory_id: str, group_id: str, t
         actor_id=actor_id, tokens=tokens, loss_mask=mask, behaviour_logprobs=logps,
         policy_version=versions, turns=result.builder.turns, reward=float(result.reward),
         status=result.status, error=result.error, timings=result.timings, sampling=sampling)
+
+
+def traced(group_id: str, rate: float) -> bool:
+    """Whether a group is traced: a stable hash of its id, so every process agrees."""
+    return rate > 0 and zlib.crc32(group_id.encode()) < rate * 2**32
 
 
 class Actor:
@@ -113,18 +119,24 @@ class Actor:
     async def _slot(self, envs: list[Env], policy: BatchedPolicy) -> None:
         env_cfg = self.config.env
         while not self.stop.is_set():
+            requested = time.time()
             lease = await self._admit()
             if lease is None and self.admission is not None:
                 return  # stopping
+            stamps = {"requested": requested, "admitted": time.time()}
             try:
                 seed = next(self._task_seeds)
                 task_id = f"{env_cfg.name}/{seed}"
                 group_id = f"{self._id_prefix}-{next(self._group_numbers)}"
+                if traced(group_id, self.config.run.trace_rate):
+                    stamps["traced"] = 1.0
                 self._in_flight += 1
                 self.metrics.gauge("actor/in_flight", self._in_flight)
                 results = await asyncio.gather(*[
                     run_episode(env, seed, policy, self.tokenizer, self.metrics,
-                                env_cfg.step_timeout_s) for env in envs])
+                                env_cfg.step_timeout_s, trace="traced" in stamps) for env in envs])
+                for result in results:
+                    result.timings |= stamps
                 group = Group(group_id, task_id, [
                     to_trajectory(r, trajectory_id=f"{group_id}.{j}", group_id=group_id,
                                   task_id=task_id, env_name=env_cfg.name, actor_id=self.actor_id,
@@ -174,12 +186,14 @@ class Actor:
         start = time.perf_counter()
         warned_at = start
         while not self.stop.is_set():
+            call_start = time.perf_counter()
             group.put_version = self.weights.latest_version()
             put_at = time.time()
             for t in group.trajectories:
                 t.timings["put"] = put_at
             try:
                 await asyncio.to_thread(self.buffer.put, [group], PUT_SLICE_S)
+                self.metrics.observe("actor/put_s", time.perf_counter() - call_start)
                 break
             except BufferFull:
                 if time.perf_counter() - warned_at >= self.config.buffer.put_timeout_s:

@@ -42,10 +42,30 @@ async def _step(env: Env, action: str):
     return env.step(action)
 
 
+def trace_timings(calls: list[tuple[float, float, float, int]],
+                  steps: list[tuple[float, float]]) -> dict[str, float]:
+    """The per-turn stamps of a traced episode, flattened into its `timings` map.
+
+    `infer.<i>.requested|started|finished|rows`: turn i's policy call (asked, batched call began,
+    call ended, episodes in the call); `env.<i>.started|finished`: turn i's environment step.
+    """
+    out: dict[str, float] = {}
+    for i, (requested, started, finished, rows) in enumerate(calls):
+        out |= {f"infer.{i}.requested": requested, f"infer.{i}.started": started,
+                f"infer.{i}.finished": finished, f"infer.{i}.rows": float(rows)}
+    for i, (started, finished) in enumerate(steps):
+        out |= {f"env.{i}.started": started, f"env.{i}.finished": finished}
+    return out
+
+
 async def run_episode(env: Env, seed: int, policy: BatchedPolicy, tokenizer: Tokenizer,
-                      metrics: Metrics, step_timeout_s: float) -> EpisodeResult:
+                      metrics: Metrics, step_timeout_s: float,
+                      trace: bool = False) -> EpisodeResult:
+    """Plays one episode; with `trace`, its timings also hold every turn's stamps."""
     builder = EpisodeBuilder()
     timings = {"started": time.time()}
+    calls: list | None = [] if trace else None
+    steps: list[tuple[float, float]] = []
     reward, success, status, error = 0.0, False, STATUS_OK, None
     inline = not env.blocking and not env.has_astep
     with policy.episode():
@@ -53,9 +73,9 @@ async def run_episode(env: Env, seed: int, policy: BatchedPolicy, tokenizer: Tok
             obs, _ = await asyncio.to_thread(env.reset, seed) if env.blocking else env.reset(seed)
             builder.add_observation([BOS, *tokenizer.encode(obs)], role="user")
             for _ in range(env.spec.max_turns):
-                tokens, logps, version = await policy.act(builder.context())
+                tokens, logps, version = await policy.act(builder.context(), calls)
                 builder.add_generated(tokens, logps, version)
-                start = time.perf_counter()
+                start, started_at = time.perf_counter(), time.time()
                 action = tokenizer.decode(tokens)
                 if inline:  # microseconds of pure Python: nothing to wait for or time out
                     obs, r, terminated, truncated, info = env.step(action)
@@ -64,6 +84,8 @@ async def run_episode(env: Env, seed: int, policy: BatchedPolicy, tokenizer: Tok
                         obs, r, terminated, truncated, info = await asyncio.wait_for(
                             _step(env, action), step_timeout_s)
                 metrics.observe("actor/env_s", time.perf_counter() - start)
+                if trace:
+                    steps.append((started_at, time.time()))
                 reward += r
                 builder.reward_last_turn(r)
                 success = bool(info.get("success", r > 0)) if terminated else False
@@ -88,4 +110,6 @@ async def run_episode(env: Env, seed: int, policy: BatchedPolicy, tokenizer: Tok
             metrics.count("env/errors")
             log.warning("episode (seed %d) failed: %s", seed, error)
     timings["finished"] = time.time()
+    if trace:
+        timings |= trace_timings(calls, steps)
     return EpisodeResult(builder, reward, success, status, error, timings)

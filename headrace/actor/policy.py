@@ -53,6 +53,7 @@ class WeightSync:
             flat, target = self.store.load(latest), latest
         self.sampler.set_params(params_lib.from_host(flat), target)
         self.metrics.observe("weights/pickup_s", time.perf_counter() - start)
+        self.store.note_pickup(target, time.time())  # closes the loop for traces
         return True
 
 
@@ -69,7 +70,7 @@ class BatchedPolicy:
         self.greedy = greedy
         self.live = 0
         self.away = 0
-        self._requests: list[tuple[np.ndarray, asyncio.Future]] = []
+        self._requests: list[tuple[np.ndarray, asyncio.Future, tuple[list, float] | None]] = []
         self._wake = asyncio.Event()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sampler")
 
@@ -93,8 +94,12 @@ class BatchedPolicy:
         finally:
             self.away -= 1
 
-    async def act(self, context: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    async def act(self, context: np.ndarray,
+                  trace: list | None = None) -> tuple[np.ndarray, np.ndarray, int]:
         """Generates one turn for `context`: (tokens, behaviour log-probs, weights version).
+
+        With a `trace` list, appends `(requested, started, finished, rows)` of the call that
+        served this turn (unix times; rows: episodes in that call).
 
         Raises:
           PromptTooLong: the context cannot fit the largest length bucket.
@@ -103,7 +108,7 @@ class BatchedPolicy:
             raise PromptTooLong(f"context of {len(context)} tokens exceeds "
                                 f"{self.sampler.max_context()}")
         future = asyncio.get_running_loop().create_future()
-        self._requests.append((context, future))
+        self._requests.append((context, future, trace if trace is None else (trace, time.time())))
         self._wake.set()
         return await future
 
@@ -129,20 +134,23 @@ class BatchedPolicy:
             await self._run(loop, batch)
 
     async def _run(self, loop, batch) -> None:
-        start = time.perf_counter()
+        start, started_at = time.perf_counter(), time.time()
         try:
             if self.sync is not None:
                 await loop.run_in_executor(self._executor, self.sync.refresh)
             tokens, logps, version = await loop.run_in_executor(
-                self._executor, self.sampler.generate, [c for c, _ in batch], self.greedy)
+                self._executor, self.sampler.generate, [c for c, _, _ in batch], self.greedy)
         except Exception as error:  # reaches every waiting episode, which ends with status error
-            for _, future in batch:
+            for _, future, _ in batch:
                 if not future.done():
                     future.set_exception(error)
             return
         self.metrics.observe("actor/inference_s", time.perf_counter() - start)
         self.metrics.observe("actor/batch_rows", len(batch))
-        for (_, future), t, lp in zip(batch, tokens, logps):
+        finished_at = time.time()
+        for (_, future, trace), t, lp in zip(batch, tokens, logps):
+            if trace is not None:
+                trace[0].append((trace[1], started_at, finished_at, len(batch)))
             if not future.done():
                 future.set_result((t, lp, version))
 

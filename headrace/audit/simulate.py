@@ -129,9 +129,9 @@ def sweep(spec: SimSpec, actors: Sequence[int], seed: int = 0) -> list[dict]:
     return [simulate(with_actors(spec, count), seed) for count in actors]
 
 
-def plot_sweep(points: Sequence[dict], path: str) -> None:
+def plot_sweep(points: Sequence[dict], path: str, xlabel: str = "actors") -> None:
     """Writes a PNG of predicted learner utilisation (and drop rate) and policy lag against the
-    number of actors, from `sweep`'s reports."""
+    number of actors (the points' `actors`, named `xlabel`), from `sweep`'s reports."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,7 +143,7 @@ def plot_sweep(points: Sequence[dict], path: str) -> None:
     ax.plot(actors, [p["learner_utilization"] for p in points], "o-", color="tab:blue",
             label="learner utilisation")
     ax.plot(actors, [p["drop_rate"] for p in points], "s:", color="tab:red", label="drop rate")
-    ax.set_xlabel("actors")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("fraction")
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
@@ -157,7 +157,7 @@ def plot_sweep(points: Sequence[dict], path: str) -> None:
     lag_ax.set_ylim(0, top * 1.15 + 0.5)
     handles = ax.get_legend_handles_labels()[0] + lag_ax.get_legend_handles_labels()[0]
     ax.legend(handles=handles, loc="lower right", fontsize=8)
-    ax.set_title("headrace simulate: predicted utilisation and lag against fleet size")
+    ax.set_title(f"predicted utilisation and lag against {xlabel}")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -28,6 +28,7 @@ more is acknowledged (the entries come back to a resumed learner).
 from __future__ import annotations
 
 import logging
+import pathlib
 import queue
 import threading
 import time
@@ -35,6 +36,7 @@ import time
 import jax
 import numpy as np
 
+from headrace.audit.traces import Tracer
 from headrace.buffer.admission import Admission
 from headrace.buffer.base import Buffer
 from headrace.config import Config
@@ -53,7 +55,8 @@ log = logging.getLogger(__name__)
 class Learner:
     def __init__(self, config: Config, graphdef, params, buffer: Buffer, weights: WeightStore,
                  metrics: Metrics, stop: threading.Event, allowed_v: np.ndarray | None = None,
-                 admission: Admission | None = None, checkpointer=None, ledger=None):
+                 admission: Admission | None = None, checkpointer=None, ledger=None,
+                 trace_path: pathlib.Path | None = None):
         """Builds the learner; with a `checkpointer` holding a checkpoint, restores the latest.
 
         Args:
@@ -61,6 +64,7 @@ class Learner:
             or the same methods: save, restore, latest_step); None: no checkpoints.
           ledger: records what is done with each entry (`headrace.runtime.resume.Ledger`: begin,
             record, mark); None: no ledger.
+          trace_path: where traced groups are written (traces.jsonl); None: stage metrics only.
 
         Raises:
           ValueError: the checkpoint does not match this model and optimizer.
@@ -89,6 +93,7 @@ class Learner:
         self._tokens = 0
         self._gathered = 0  # entries taken off the queue for the batch being assembled
         self.done = threading.Event()
+        self.tracer = Tracer(trace_path, weights, metrics)
         compiles.install()
         self.checkpointer = checkpointer
         self.ledger = ledger
@@ -105,6 +110,7 @@ class Learner:
         start = time.perf_counter()
         self.weights.publish(params_lib.to_host(self.state.params), self.version)
         self.metrics.observe("weights/publish_s", time.perf_counter() - start)
+        self.tracer.published(self.version, time.time())
         self._since_publish = 0
 
     def publish_start(self) -> None:
@@ -137,6 +143,8 @@ class Learner:
                     time.sleep(0.001)
                     continue
                 entries = self.buffer.get(room, timeout_s=0.1)
+                if entries:
+                    self.tracer.read(entries)
                 for entry in entries:
                     self._queue.put(entry)
                 if entries:
@@ -168,6 +176,7 @@ class Learner:
             if reason is not None:
                 self._handled("dropped", [entry], reason)
                 continue
+            self.tracer.gated(entry)
             entries.append(entry)
             self._gathered = len(entries)
         return entries
@@ -194,6 +203,7 @@ class Learner:
                 elif self.checkpointer is None:
                     self._flush_acks()
             finally:
+                self.tracer.close()
                 self.done.set()
 
     def _loop(self) -> None:
@@ -209,7 +219,10 @@ class Learner:
             with self.metrics.timer("learner/batch_s"):
                 batch = self.batcher.build([e.group for e in entries])
                 self._record_staleness(entries)
+            started, compiled = time.time(), compiles.compiles("train_step")
             self._train(batch)
+            self.tracer.trained(entries, started, time.time(), self.version, self.step,
+                                compiled=compiles.compiles("train_step") != compiled)
             self.trained_ids.update(e.id for e in entries)
             self._handled("trained", entries)
             self._since_publish += 1
@@ -218,6 +231,7 @@ class Learner:
                 self.publish()
             self._gathered = 0
             self._report_state()
+            self.tracer.poll()
             if not run.checkpoint_every or self.step % run.checkpoint_every == 0:
                 self._acknowledge()
 

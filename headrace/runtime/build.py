@@ -133,6 +133,13 @@ def make_run_dir(config: Config) -> pathlib.Path:
     return path
 
 
+def trace_path(config: Config, run_dir: pathlib.Path) -> pathlib.Path | None:
+    """RUN_DIR/traces.jsonl when tracing is on (`run.trace_rate` > 0), else None."""
+    from headrace.audit.traces import TRACES_FILE
+
+    return run_dir / TRACES_FILE if config.run.trace_rate > 0 else None
+
+
 def write_json(path: pathlib.Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from headrace.actor.evaluate import eval_seeds, evaluate
+from headrace.audit.hint import sizing_hint
 from headrace.config import Config
 from headrace.metrics.core import Metrics
 from headrace.metrics.sinks import JsonlSink, LiveView, TensorBoardSink
@@ -116,7 +117,7 @@ class Reporter:
             for sink in self.sinks:
                 sink.write(step, snapshot)
             self._last_step = step
-        self.view.update(snapshot, elapsed_s)
+        self.view.update(snapshot, elapsed_s, hint=sizing_hint(snapshot, self.config))
 
     def close(self) -> None:
         self.view.close()

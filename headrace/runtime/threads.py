@@ -45,7 +45,7 @@ def train(config: Config, *, live: bool = True, t0: float | None = None) -> dict
     run_dir = build.make_run_dir(config)
     task = build.build_task(config)
     graphdef, params = build.init_params(config, task)
-    buffer, weights = build.make_buffer(config), build.make_weights(config)
+    buffer, weights = build.make_buffer(config), build.make_weights(config, run_dir)
     metrics = Metrics()
     stop = threading.Event()
     admission = build.make_admission(config, buffer)
@@ -53,7 +53,7 @@ def train(config: Config, *, live: bool = True, t0: float | None = None) -> dict
                                     lambda: metrics.snapshot().get("actor/episodes", 0))
     learner = Learner(config, graphdef, params, buffer, weights, metrics, stop,
                       allowed_v=task.sampler_settings.allowed_mask(task.dims.vocab_size),
-                      admission=admission)
+                      admission=admission, trace_path=build.trace_path(config, run_dir))
     learner.publish()  # version 0, before any actor starts
     workers = [Worker("learner", learner.run, stop),
                Worker("evaluator", lambda: evaluator.run(stop), stop)]

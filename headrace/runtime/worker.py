@@ -77,7 +77,8 @@ def learner_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: st
     try:
         learner = Learner(config, graphdef, params, buffer, weights, metrics, stop,
                           allowed_v=task.sampler_settings.allowed_mask(task.dims.vocab_size),
-                          admission=admission, checkpointer=checkpointer, ledger=ledger)
+                          admission=admission, checkpointer=checkpointer, ledger=ledger,
+                          trace_path=build.trace_path(config, pathlib.Path(run_dir)))
         learner.publish_start()  # version 0, or the restored weights after a resume
         learner.run()
     finally:

@@ -47,6 +47,7 @@ from headrace.weights.memory import MemoryWeightStore
 
 FORMAT = 1
 POINTER = "LATEST"
+PICKUPS = "pickups"  # one file per version: when an actor first sampled with it
 MANIFEST = "manifest.json"
 _STAGING_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".gone-"
@@ -129,6 +130,26 @@ class DirWeightStore(WeightStore):
 
     def version_dir(self, version: int) -> pathlib.Path:
         return self.root / f"v{version}"
+
+    # --- pickups (tracing) ----------------------------------------------------------------------
+
+    def note_pickup(self, version: int, at: float) -> None:
+        """Creates `pickups/<version>` holding `at` unless an actor already did (first one wins)."""
+        folder = self.root / PICKUPS
+        folder.mkdir(exist_ok=True)
+        try:
+            fd = os.open(folder / str(version), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return
+        with os.fdopen(fd, "w") as file:
+            file.write(repr(at))
+
+    def pickup_time(self, version: int) -> float | None:
+        try:
+            text = (self.root / PICKUPS / str(version)).read_text()
+            return float(text) if text else None  # empty: the writer is between open and write
+        except (FileNotFoundError, ValueError):
+            return None
 
     # --- reading -------------------------------------------------------------------------------
 
@@ -312,9 +333,16 @@ class DirWeightStore(WeightStore):
             _fsync_dir(self.root)
 
     def _prune(self) -> None:
-        """Removes published versions older than the newest `keep`."""
-        for version in self.versions()[:-self.keep]:
+        """Removes published versions older than the newest `keep`, and their pickup notes."""
+        kept = self.versions()
+        for version in kept[:-self.keep]:
             self._discard(self.version_dir(version))
+        folder = self.root / PICKUPS
+        if folder.is_dir() and kept:
+            oldest = kept[-self.keep:][0]
+            for entry in folder.iterdir():
+                if entry.name.isdigit() and int(entry.name) < oldest - 64:  # late readers' slack
+                    entry.unlink(missing_ok=True)
 
     def _discard(self, directory: pathlib.Path) -> None:
         # Rename first: a reader then finds the version whole or not at all (VersionGone).

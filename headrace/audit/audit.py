@@ -1,0 +1,375 @@
+"""`headrace audit CONFIG | RUN_DIR`: measure every stage, size the actor pool, name the bottleneck.
+
+1. Measure: with a CONFIG, a short run (`--duration`) of the user's own pipeline with every group
+   traced (`run.trace_rate` 1); with a RUN_DIR, the traces and metrics it already holds.
+2. Describe: per stage, the latency distribution (p50/p90/p99) and rate, from the traces
+   (`headrace.audit.traces`); the learner's consume capacity (groups per second of training); one
+   actor's produce rate; the inference cost curve (`fixed_s + per_row_s x rows`, a least-squares
+   fit over the traced policy calls).
+3. Size: Little's law first — groups in flight = consume capacity x group latency (admission to
+   put) x headroom — then a simulation (`headrace.audit.simulate`, driven by the measured
+   distributions) of the candidate pools around it; the recommendation is the smallest pool whose
+   predicted utilisation reaches the target with mean lag within `staleness.max_policy_lag`.
+   Environments per actor are capped where the actor's sampler would be over 70 % busy.
+4. Report: the bottleneck by name, a plot (PNG) of predicted utilisation and lag against the pool,
+   and `audit.json` in the run folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from headrace.audit import traces as traces_lib
+from headrace.audit.sim_spec import (
+    ActorSpec,
+    BufferSpec,
+    Dist,
+    InferenceSpec,
+    LearnerSpec,
+    SimSpec,
+    StalenessSpec,
+    fixed,
+)
+from headrace.audit.simulate import plot_sweep, simulate
+from headrace.config import Config, ConfigError, load
+
+SAMPLER_BUSY_MAX = 0.7  # environments per actor are capped where its sampler is this busy
+AUDIT_FILE = "audit.json"
+PLOT_FILE = "audit.png"
+
+
+@dataclasses.dataclass
+class Measured:
+    """What one run showed, everything the sizing needs."""
+
+    config: Config
+    traces: list[dict]
+    spans: dict[str, list[float]]
+    step_s: list[float]  # learner train steps
+    calls: np.ndarray  # [n, 2]: rows, seconds of each distinct traced policy call
+    turns: list[int]
+    utilization: float
+    lag_mean: float
+    window_s: float
+    groups_put: float  # groups written over the window (all actors)
+    put_s: float
+    publish_s: float
+
+    @property
+    def group_size(self) -> int:
+        return self.config.actor.group_size
+
+    @property
+    def consume_capacity(self) -> float:
+        """Groups per second the learner trains when never kept waiting."""
+        return self.config.learner.groups_per_batch / float(np.mean(self.step_s))
+
+    @property
+    def group_latency_s(self) -> float:
+        """Admission to put: how long a group occupies its slot."""
+        return float(np.mean(self.spans["generate"])) + self.put_s
+
+
+def _records(run_dir: pathlib.Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _without_outliers(calls: set[tuple[float, float, int]]) -> list[tuple[float, float, int]]:
+    """Drops calls slower than q75 + 3 IQR of all calls (a sampler compiling a new shape)."""
+    if len(calls) < 8:
+        return list(calls)
+    seconds = np.array([end - start for start, end, _ in calls])
+    q25, q75 = np.quantile(seconds, (0.25, 0.75))
+    limit = q75 + 3 * (q75 - q25)
+    return [c for c in calls if c[1] - c[0] <= limit]
+
+
+def read_run(run_dir: str | pathlib.Path) -> Measured:
+    """Loads a run folder's measurements (config.yaml, traces.jsonl, metrics.jsonl).
+
+    Raises:
+      ConfigError: the folder lacks a file the audit needs, or holds no complete trace.
+    """
+    run_dir = pathlib.Path(run_dir)
+    for name in ("config.yaml", traces_lib.TRACES_FILE, "metrics.jsonl"):
+        if not (run_dir / name).exists():
+            raise ConfigError(f"{run_dir}: no {name}; audit a run folder written by headrace "
+                              f"train with run.trace_rate > 0, or give a CONFIG to measure")
+    config = load(run_dir / "config.yaml")
+    traces = [t for t in traces_lib.read_traces(run_dir / traces_lib.TRACES_FILE)
+              if t["stages"].get("train_finished") is not None]
+    if not traces:
+        raise ConfigError(f"{run_dir}/{traces_lib.TRACES_FILE}: no traced group was trained; "
+                          "run longer or raise run.trace_rate")
+    spans: dict[str, list[float]] = {}
+    for trace in traces:
+        for stage, values in traces_lib.durations(trace).items():
+            spans.setdefault(stage, []).extend(values)
+    # Steps that compiled and calls that look like compiles are start-up, not the steady state.
+    steps = {(t["stages"]["train_started"], t["stages"]["train_finished"]) for t in traces
+             if not t.get("compiled")}
+    calls = _without_outliers(
+        {(c[1], c[2], c[3]) for t in traces for e in t["episodes"] for c in e["inference"]})
+    records = _records(run_dir)
+    trained = [r for r in records if r.get("learner/step", 0) >= 1]
+    last = records[-1]
+    window = trained[-1]["time"] - trained[0]["time"] if len(trained) > 1 else 0.0
+    put = (last.get("actor/episodes", 0) - (trained[0].get("actor/episodes", 0) if trained else 0))
+    lags = [r["staleness/lag_mean"] for r in trained if "staleness/lag_mean" in r]
+    return Measured(
+        config=config, traces=traces, spans=spans,
+        step_s=[end - start for start, end in steps] or [last.get("learner/step_s_mean", 1.0)],
+        calls=np.array([(rows, end - start) for start, end, rows in calls], dtype=np.float64
+                       ).reshape(-1, 2),
+        turns=[len(e["env"]) or 1 for t in traces for e in t["episodes"]],
+        utilization=float(last.get("learner/utilization", 0.0)),
+        lag_mean=float(np.mean(lags)) if lags else 0.0,
+        window_s=window, groups_put=put / config.actor.group_size,
+        put_s=float(last.get("actor/put_s_p50", 0.0)),
+        publish_s=float(last.get("weights/publish_s_p50", 0.0)))
+
+
+def fit_inference(calls: np.ndarray) -> tuple[float, float]:
+    """(fixed_s, per_row_s) of `seconds = fixed + per_row x rows`, least squares, both >= 0."""
+    if len(calls) == 0:
+        return 0.0, 0.0
+    rows, seconds = calls[:, 0], calls[:, 1]
+    if np.ptp(rows) == 0:  # one batch size seen: the call is all fixed cost as far as we know
+        return float(np.mean(seconds)), 0.0
+    slope, intercept = np.polyfit(rows, seconds, 1)
+    if intercept < 0:
+        return 0.0, float(np.sum(seconds * rows) / np.sum(rows * rows))
+    if slope < 0:
+        return float(np.mean(seconds)), 0.0
+    return float(intercept), float(slope)
+
+
+def sim_spec(m: Measured, actors: int, envs_per_actor: int, duration_s: float) -> SimSpec:
+    """The pipeline of `m` with a given pool, every timing from the measurements."""
+    c = m.config
+    fixed_s, per_row_s = fit_inference(m.calls)
+    model = "fine" if actors * envs_per_actor <= 20_000 else "aggregated"
+    return SimSpec(
+        duration_s=duration_s, model=model,
+        actors=ActorSpec(
+            count=actors, envs_per_actor=envs_per_actor, group_size=m.group_size,
+            turns=Dist(kind="empirical", samples=tuple(float(t) for t in m.turns)),
+            env_step_s=Dist(kind="empirical", samples=tuple(m.spans.get("env_step", [0.0]))),
+            inference=InferenceSpec(fixed_s=fixed_s, per_row_s=per_row_s,
+                                    max_batch=c.actor.max_batch,
+                                    wait_s=c.actor.batch_wait_ms / 1e3),
+            pickup_s=Dist(kind="empirical", samples=tuple(m.spans.get("pickup", [0.0])))),
+        buffer=BufferSpec(capacity=c.buffer.capacity, put_s=fixed(m.put_s)),
+        learner=LearnerSpec(step_s=Dist(kind="empirical", samples=tuple(m.step_s)),
+                            groups_per_batch=c.learner.groups_per_batch,
+                            publish_every=c.learner.publish_every, publish_s=fixed(m.publish_s),
+                            prefetch=2),  # the reader queues 2 batches of groups ahead
+        staleness=StalenessSpec(max_policy_lag=c.staleness.max_policy_lag,
+                                admission=c.run.mode == "async"))
+
+
+def envs_cap(m: Measured) -> int:
+    """Most environments one actor serves before its sampler is SAMPLER_BUSY_MAX busy."""
+    fixed_s, per_row_s = fit_inference(m.calls)
+    turn_s = float(np.mean(m.spans.get("env_step", [0.0]))) + float(
+        np.mean(m.spans.get("inference", [0.0])))
+    g = m.group_size
+    if per_row_s <= 0:
+        return max(g, m.config.actor.max_batch // g * g)
+    cap = (SAMPLER_BUSY_MAX * turn_s - fixed_s) / per_row_s
+    return max(g, int(min(cap, m.config.actor.max_batch)) // g * g)
+
+
+def split_pool(total_envs: int, cap: int, group_size: int) -> tuple[int, int]:
+    """(actors, envs per actor) for at least `total_envs` environments, at most `cap` per actor."""
+    total = max(group_size, math.ceil(total_envs / group_size) * group_size)
+    actors = math.ceil(total / cap)
+    per = math.ceil(total / actors / group_size) * group_size
+    return actors, per
+
+
+def little(m: Measured, headroom: float) -> dict:
+    """Little's law: the environments in flight that keep the learner fed."""
+    groups = m.consume_capacity * m.group_latency_s
+    return {"consume_groups_per_s": m.consume_capacity, "group_latency_s": m.group_latency_s,
+            "groups_in_flight": groups, "headroom": headroom,
+            "envs_needed": math.ceil(groups * headroom * m.group_size)}
+
+
+def predict(m: Measured, actors: int, envs_per_actor: int, duration_s: float,
+            seed: int = 0) -> dict:
+    """The simulation's report for a pool (measured distributions, nothing of the run it predicts)."""
+    return simulate(sim_spec(m, actors, envs_per_actor, duration_s), seed)
+
+
+def recommend(m: Measured, *, target: float, headroom: float, duration_s: float) -> dict:
+    """The smallest simulated pool reaching `target` with mean lag within the limit."""
+    law = little(m, headroom)
+    cap = envs_cap(m)
+    g = m.group_size
+    candidates = sorted({split_pool(int(law["envs_needed"] * f), cap, g)
+                         for f in (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)},
+                        key=lambda p: p[0] * p[1])
+    points = []
+    for actors, per in candidates:
+        report = predict(m, actors, per, duration_s)
+        points.append({"actors": actors, "envs_per_actor": per, "envs": actors * per,
+                       "learner_utilization": report["learner_utilization"],
+                       "staleness_lag_mean": report["staleness_lag_mean"],
+                       "staleness_lag_max": report["staleness_lag_max"],
+                       "drop_rate": report["drop_rate"]})
+    limit = m.config.staleness.max_policy_lag
+    good = [p for p in points if p["learner_utilization"] >= target
+            and (p["staleness_lag_mean"] or 0) <= limit]
+    choice = good[0] if good else max(points, key=lambda p: p["learner_utilization"])
+    return {"little": law, "envs_per_actor_cap": cap, "sweep": points,
+            "actors": choice["actors"], "envs_per_actor": choice["envs_per_actor"],
+            "predicted_utilization": choice["learner_utilization"],
+            "predicted_lag_mean": choice["staleness_lag_mean"], "reached": bool(good)}
+
+
+def bottleneck(m: Measured, target: float) -> tuple[str, str]:
+    """(name, why): what limits learner utilisation in the measured run."""
+    mean = {k: float(np.mean(v)) for k, v in m.spans.items()}
+    if m.utilization >= target:
+        return "learner", (f"utilisation {m.utilization:.2f} >= {target}: actors keep up; only a "
+                           "faster learner step raises throughput")
+    turns = float(np.mean(m.turns))
+    env_s, infer_s = mean.get("env_step", 0.0) * turns, mean.get("inference", 0.0) * turns
+    buffer_s = m.put_s  # a put's own latency (time queued in the buffer is the learner's)
+    sync_s = mean.get("pickup", 0.0) + m.publish_s
+    episode_s = max(mean.get("episode", 0.0), 1e-9)
+    shares = {"environment": env_s / episode_s, "inference": infer_s / episode_s}
+    if buffer_s > 0.1 * mean.get("generate", episode_s):
+        return "buffer", (f"a put takes {buffer_s:.3f} s, over 10 % of the group latency "
+                          f"{mean.get('generate', episode_s):.3f} s")
+    if sync_s > float(np.mean(m.step_s)):
+        return "weight sync", (f"publish + pickup {sync_s:.3f} s exceed a learner step "
+                               f"{np.mean(m.step_s):.3f} s")
+    name = max(shares, key=shares.get)
+    return name, (f"too few environments in flight; an episode spends {shares['environment']:.0%}"
+                  f" in environment steps and {shares['inference']:.0%} in policy calls")
+
+
+def analyze(run_dir: str | pathlib.Path, *, target: float = 0.95, headroom: float = 1.2,
+            duration_s: float = 300.0, plot: bool = True) -> dict:
+    """The audit report of a run folder; also written to RUN_DIR/audit.json (and audit.png)."""
+    run_dir = pathlib.Path(run_dir)
+    m = read_run(run_dir)
+    c = m.config
+    name, why = bottleneck(m, target)
+    rec = recommend(m, target=target, headroom=headroom, duration_s=duration_s)
+    fixed_s, per_row_s = fit_inference(m.calls)
+    report = {
+        "run_dir": str(run_dir),
+        "stages": traces_lib.summarize(m.spans),
+        "traced_groups": len(m.traces),
+        "measured": {"actors": c.actor.num_actors, "envs_per_actor": c.actor.envs_per_actor,
+                     "learner_utilization": m.utilization, "lag_mean": m.lag_mean,
+                     "window_s": m.window_s},
+        "rates": {"learner_consume_groups_per_s": m.consume_capacity,
+                  "learner_step_s_mean": float(np.mean(m.step_s)),
+                  "actor_produce_groups_per_s": (m.groups_put / m.window_s / c.actor.num_actors
+                                                 if m.window_s > 0 else None),
+                  "inference_fixed_s": fixed_s, "inference_per_row_s": per_row_s},
+        "bottleneck": name, "why": why,
+        "recommendation": rec, "target_utilization": target,
+    }
+    if plot:
+        points = [{"actors": p["envs"], "learner_utilization": p["learner_utilization"],
+                   "staleness_lag_mean": p["staleness_lag_mean"],
+                   "staleness_lag_max": p["staleness_lag_max"], "drop_rate": p["drop_rate"]}
+                  for p in rec["sweep"]]
+        plot_sweep(points, str(run_dir / PLOT_FILE), xlabel="environments in flight")
+        report["plot"] = str(run_dir / PLOT_FILE)
+    (run_dir / AUDIT_FILE).write_text(json.dumps(report, indent=1, default=float))
+    return report
+
+
+def measure(config: Config, duration_s: float, warmup_s: float = 60.0,
+            live: bool = False) -> pathlib.Path:
+    """Runs the config's pipeline for `duration_s` (plus start-up) with every group traced."""
+    from headrace.config import replace
+
+    config = replace(config, run={"trace_rate": 1.0, "eval_every": 0, "max_steps": 0,
+                                  "log_every": 1, "max_wall_s": duration_s + warmup_s,
+                                  "stop_at_target": False})
+    from headrace.runtime import train
+
+    summary = train(config, live=live)
+    return pathlib.Path(summary["run_dir"])
+
+
+def format_report(report: dict) -> str:
+    lines = ["stage           count      p50       p90       p99   (seconds)"]
+    for stage, s in report["stages"].items():
+        lines.append(f"{stage:<14} {s['count']:>6} {s['p50']:>9.4f} {s['p90']:>9.4f} "
+                     f"{s['p99']:>9.4f}")
+    r, rec, law = report["rates"], report["recommendation"], report["recommendation"]["little"]
+    meas = report["measured"]
+    lines += [
+        "",
+        f"measured: {meas['actors']} actor(s) x {meas['envs_per_actor']} envs: utilisation "
+        f"{meas['learner_utilization']:.3f}, lag mean {meas['lag_mean']:.2f}",
+        f"learner consumes {r['learner_consume_groups_per_s']:.2f} groups/s "
+        f"(step {r['learner_step_s_mean']:.3f} s); one actor produced "
+        f"{r['actor_produce_groups_per_s'] or 0:.2f} groups/s",
+        f"Little's law: {law['consume_groups_per_s']:.2f} groups/s x {law['group_latency_s']:.2f} s"
+        f" = {law['groups_in_flight']:.1f} groups in flight; x{law['headroom']} headroom = "
+        f"{law['envs_needed']} environments",
+        f"recommended: {rec['actors']} actor(s) x {rec['envs_per_actor']} envs -> predicted "
+        f"utilisation {rec['predicted_utilization']:.3f}, lag {rec['predicted_lag_mean'] or 0:.2f}"
+        + ("" if rec["reached"] else f"  (target {report['target_utilization']} not reached)"),
+        f"bottleneck: {report['bottleneck']} ({report['why']})",
+    ]
+    if "plot" in report:
+        lines.append(f"plot: {report['plot']}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="headrace audit", description=__doc__.splitlines()[0])
+    parser.add_argument("source", help="a CONFIG to measure, or a RUN_DIR to read")
+    parser.add_argument("--duration", type=float, default=60.0,
+                        help="seconds of measurement after start-up (CONFIG only)")
+    parser.add_argument("--target", type=float, default=0.95, help="learner utilisation to reach")
+    parser.add_argument("--headroom", type=float, default=1.2, help="Little's law safety factor")
+    parser.add_argument("--horizon", type=float, default=300.0,
+                        help="simulated seconds per candidate pool")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    source = pathlib.Path(args.source)
+    if not source.exists():
+        print(f"headrace audit: error: {source} does not exist (give a CONFIG or a RUN_DIR)",
+              file=sys.stderr)
+        return 2
+    if not 0 < args.target <= 1 or args.headroom < 1 or args.duration <= 0:
+        print("headrace audit: error: --target must be in (0, 1], --headroom >= 1, "
+              "--duration > 0", file=sys.stderr)
+        return 2
+    try:
+        if source.is_dir():
+            run_dir = source
+        else:
+            run_dir = measure(load(source, args.set), args.duration)
+        report = analyze(run_dir, target=args.target, headroom=args.headroom,
+                         duration_s=args.horizon)
+    except ConfigError as error:
+        print(f"headrace audit: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, default=float))
+        print(format_report(report), file=sys.stderr)
+    else:
+        print(format_report(report))
+    return 0

@@ -1,0 +1,151 @@
+"""End-to-end traces (traces.jsonl, stages.json, trace/* metrics) and `headrace audit` on them."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from headrace.actor.actor import traced
+from headrace.audit import audit
+from headrace.audit.hint import sizing_hint
+from headrace.audit.traces import GROUP_STAGES
+from headrace.config import load
+from headrace.weights.directory import DirWeightStore
+
+ORDER = ("requested", "admitted", "started", "finished", "put", "got", "gated", "train_started",
+         "train_finished", "published", "picked_up")
+
+
+def tiny(run_dir, **run):
+    return load(data={
+        "run": {"dir": str(run_dir), "max_steps": 8, "eval_every": 0, "log_every": 1,
+                "trace_rate": 1.0, **run},
+        "env": {"name": "guess_number", "kwargs": {"n": 8, "max_turns": 3}},
+        "model": {"max_len": 64},
+        "sampling": {"max_new_tokens": 1, "constrain_to_actions": True},
+        "actor": {"envs_per_actor": 32, "max_batch": 64},
+        "learner": {"groups_per_batch": 2, "minibatches": 1},
+        "buffer": {"capacity": 8},
+        "weights": {"backend": "dir"},
+        "shapes": {"buckets": [4, 8, 12]},
+    })
+
+
+@pytest.fixture(scope="module")
+def traced_run(tmp_path_factory):
+    from headrace.runtime.threads import train
+
+    run_dir = tmp_path_factory.mktemp("traced") / "run"
+    summary = train(tiny(run_dir), live=False)
+    assert summary["steps"] == 8 and not summary["errors"], summary
+    return run_dir
+
+
+@pytest.mark.timeout(300)
+def test_every_traced_group_has_every_stage_in_order(traced_run):
+    lines = [json.loads(x) for x in (traced_run / "traces.jsonl").read_text().splitlines()]
+    assert len(lines) >= 8 * 2 - 2  # every trained group (the last publish may beat a pickup)
+    picked = [t for t in lines if t["stages"]["picked_up"] is not None]
+    assert len(picked) >= len(lines) // 2
+    for trace in lines:
+        stages = trace["stages"]
+        times = [stages[k] for k in ORDER if stages.get(k) is not None]
+        assert len(times) >= len(ORDER) - 1, stages
+        assert times == sorted(times), stages
+        assert trace["lag"] == trace["trained_version"] - trace["oldest_version"] >= 0
+        assert len(trace["episodes"]) == 8  # the group's G episodes
+        for episode in trace["episodes"]:
+            assert 1 <= len(episode["inference"]) <= 3
+            assert len(episode["env"]) == len(episode["inference"])
+            for requested, started, finished, rows in episode["inference"]:
+                assert requested <= finished and started <= finished and rows >= 1
+        names = {name for name, _, _ in GROUP_STAGES} - {"pickup", "end_to_end"}
+        assert names <= set(trace["durations"])
+    stages = json.loads((traced_run / "stages.json").read_text())
+    for stage in ("admission", "env_step", "inference", "buffer", "train", "pickup",
+                  "end_to_end"):
+        assert {"p50", "p90", "p99", "count"} <= set(stages[stage])
+    record = json.loads((traced_run / "metrics.jsonl").read_text().splitlines()[-1])
+    for name in ("trace/end_to_end_s_p99", "trace/env_step_s_p50", "buffer/wait_s_p90",
+                 "learner/queue_s_p50", "actor/put_s_p50"):
+        assert name in record, name
+
+
+@pytest.mark.timeout(300)
+def test_audit_of_a_run_folder_sizes_the_pool_and_plots(traced_run):
+    result = subprocess.run([sys.executable, "-m", "headrace.cli", "audit", str(traced_run),
+                             "--json", "--horizon", "60"],
+                            capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    rec = report["recommendation"]
+    assert rec["actors"] >= 1 and rec["envs_per_actor"] % 8 == 0
+    assert rec["little"]["envs_needed"] >= 8
+    assert report["bottleneck"] in ("environment", "inference", "buffer", "learner",
+                                    "weight sync")
+    assert report["rates"]["learner_consume_groups_per_s"] > 0
+    assert (traced_run / "audit.png").stat().st_size > 1000
+    assert json.loads((traced_run / "audit.json").read_text())["bottleneck"] == \
+        report["bottleneck"]
+    assert "bottleneck" in result.stderr  # the readable report
+
+
+def test_audit_refuses_what_it_cannot_read(tmp_path):
+    missing = subprocess.run([sys.executable, "-m", "headrace.cli", "audit",
+                              str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    empty = subprocess.run([sys.executable, "-m", "headrace.cli", "audit", str(tmp_path)],
+                           capture_output=True, text=True, timeout=60)
+    assert empty.returncode == 2 and "config.yaml" in empty.stderr
+    assert "Traceback" not in empty.stderr
+
+
+@pytest.mark.timeout(120)
+def test_no_tracing_writes_no_traces(tmp_path):
+    from headrace.runtime.threads import train
+
+    summary = train(tiny(tmp_path / "run", trace_rate=0.0, max_steps=2), live=False)
+    assert summary["steps"] == 2
+    assert not (tmp_path / "run" / "traces.jsonl").exists()
+
+
+def test_trace_sampling_is_stable_and_at_the_rate():
+    ids = [f"actor-{i}" for i in range(20_000)]
+    share = np.mean([traced(i, 0.1) for i in ids])
+    assert 0.09 < share < 0.11
+    assert [traced(i, 0.1) for i in ids[:100]] == [traced(i, 0.1) for i in ids[:100]]
+    assert not any(traced(i, 0.0) for i in ids[:1000])
+    assert all(traced(i, 1.0) for i in ids[:1000])
+
+
+def test_dir_store_pickups_first_one_wins(tmp_path):
+    store = DirWeightStore(tmp_path, fsync=False)
+    assert store.pickup_time(3) is None
+    store.note_pickup(3, 100.5)
+    store.note_pickup(3, 200.0)
+    assert store.pickup_time(3) == 100.5
+    assert DirWeightStore(tmp_path, fsync=False).pickup_time(3) == 100.5  # another process
+
+
+def test_inference_fit_and_pool_split():
+    rows = np.arange(1, 200, dtype=np.float64)
+    fixed, per_row = audit.fit_inference(np.stack([rows, 0.004 + 2e-5 * rows], axis=1))
+    assert fixed == pytest.approx(0.004, rel=1e-6) and per_row == pytest.approx(2e-5, rel=1e-6)
+    assert audit.fit_inference(np.array([[8.0, 0.01], [8.0, 0.03]])) == pytest.approx((0.02, 0.0))
+    for total in (1, 7, 100, 1000, 4097):
+        actors, per = audit.split_pool(total, cap=256, group_size=8)
+        assert per % 8 == 0 and per <= 256 and actors * per >= total
+
+
+def test_sizing_hint_speaks_only_when_the_learner_waits(tmp_path):
+    config = tiny(tmp_path)
+    fed = {"learner/utilization": 0.99, "learner/step_s_p50": 0.2, "actor/episode_s_p90": 5.0,
+           "learner/step": 50}
+    assert sizing_hint(fed, config) == ""
+    starved = {**fed, "learner/utilization": 0.3}
+    hint = sizing_hint(starved, config)
+    # 2 groups / 0.2 s x 5 s x 1.2 = 60 groups of 8 = 480 envs against 32.
+    assert "480 envs" in hint and "448 more" in hint
