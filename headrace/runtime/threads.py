@@ -3,6 +3,7 @@
 Lifetimes: every worker gets the same stop event; the main thread reports metrics, watches the stop
 conditions and joins every worker with a timeout. A worker's exception reaches the main thread and
 ends the run with it. Used by tests and single-process runs; the default is the processes launcher.
+With `buffer.backend: redis` and no `buffer.url` it starts an embedded Redis in RUN_DIR/redis.
 """
 
 from __future__ import annotations
@@ -43,9 +44,24 @@ def train(config: Config, *, live: bool = True, t0: float | None = None) -> dict
     t0 = build.process_start_time() if t0 is None else t0
     build.check_flow(config)
     run_dir = build.make_run_dir(config)
+    server = None
+    if config.buffer.backend == "redis" and not config.buffer.url:  # an embedded server
+        from headrace.buffer.server import RedisServer
+
+        server = RedisServer.from_config(config.buffer, run_dir / "redis").start()
+    url = config.buffer.url or (server.url if server else "")
+    try:
+        return _train(config, run_dir, t0, live,
+                      build.make_buffer(config, url=url, run_id=run_dir.name, consumer="learner"))
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _train(config: Config, run_dir, t0: float, live: bool, buffer) -> dict[str, Any]:
     task = build.build_task(config)
     graphdef, params = build.init_params(config, task)
-    buffer, weights = build.make_buffer(config), build.make_weights(config, run_dir)
+    weights = build.make_weights(config, run_dir)
     metrics = Metrics()
     stop = threading.Event()
     admission = build.make_admission(config, buffer)
