@@ -4,8 +4,8 @@ Actors stamp every group (`requested`, `admitted`, `started`, `finished`, `put` 
 trajectory's `timings`) and, for a traced group (`run.trace_rate`, chosen by a stable hash of the
 group id), every turn's policy call and environment step (`actor.episode.trace_timings`). The
 learner's `Tracer` adds `got` (read from the buffer), `gated` (passed the staleness gate),
-`train_started`/`train_finished` (the step that trained it), `published` (the publish that
-carried its update) and `picked_up` (the first actor sampling with that version or a newer one:
+`train_started`/`train_finished` (the step that trained it), `published` (the start of the publish
+that carried its update) and `picked_up` (the first actor sampling with that version or a newer one:
 the loop is closed), then writes one JSON object per traced group to `traces.jsonl`:
 
     {"group_id", "task_id", "actor_id", "env", "step", "compiled", "trained_version",

@@ -1,4 +1,4 @@
-"""From groups to fixed-shape microbatches (host side, NumPy), and a prefetcher that runs ahead.
+"""From groups to fixed-shape microbatches (host side, NumPy).
 
 One learner step consumes its groups as `learner.minibatches` optimizer updates: the groups are
 split in order into that many minibatches (fewer when there are fewer groups), and each minibatch
@@ -26,9 +26,7 @@ What is left out of packing (so it costs no slots):
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -184,118 +182,3 @@ class Batcher:
             arrays["policy_version"][row, cols] = t.policy_version[:p.length]
             arrays["weight"][row, cols] = weights[p.item]
         return arrays
-
-
-# --- running ahead -------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Prefetched:
-    """A built batch and what it was built from (`source` is whatever `source_fn` returned)."""
-
-    index: int  # 0, 1, 2, ... in the order batches were requested from the source
-    source: Any
-    batch: Batch
-
-
-_DONE = object()
-
-
-class Prefetcher:
-    """Builds batches ahead of the learner in a background thread and moves them to the device.
-
-    `source_fn(index)` returns the items for batch `index` (a list of groups, or of objects with a
-    `.group`, such as buffer entries), already through the staleness gate at the version batch
-    `index` will be trained at; or None once there is nothing more (the prefetcher then ends).
-    `put` moves one microbatch's train arrays to the device (e.g. `jax.device_put`); only
-    TRAIN_FIELDS are moved, the rest stay on the host.
-
-    Flow control: at most `depth` built batches wait; the thread blocks (stoppably) beyond that, so
-    the source is never read further ahead than `depth` batches plus the one being built.
-    `depth=0` builds in the caller's thread inside `get` (no look-ahead).
-
-    Failure: an exception in `source_fn`, the batcher or `put` is re-raised by the next `get`.
-    Stopping: `close()` stops and joins the thread (items it had taken from the source but not
-    handed out are lost to the caller: with at-least-once delivery they are redelivered later).
-    """
-
-    def __init__(self, batcher: Batcher, source_fn: Callable[[int], Sequence[Any] | None],
-                 depth: int = 2, put: Callable[[Any], Any] | None = None):
-        if depth < 0:
-            raise ValueError(f"depth={depth}: must be >= 0")
-        self.batcher = batcher
-        self.source_fn = source_fn
-        self.depth = depth
-        self.put = put
-        self._index = 0
-        self._stop = threading.Event()
-        self._ready: queue.Queue = queue.Queue(maxsize=max(depth, 1))
-        self._thread: threading.Thread | None = None
-        if depth:
-            self._thread = threading.Thread(target=self._run, name="learner-prefetch", daemon=True)
-            self._thread.start()
-
-    def _make(self) -> Prefetched | None:
-        index = self._index
-        source = self.source_fn(index)
-        if source is None:
-            return None
-        self._index += 1
-        groups = [getattr(s, "group", s) for s in source]
-        batch = self.batcher.build(groups)
-        if self.put is not None:
-            for mb in batch.microbatches:
-                moved = self.put({k: mb.arrays[k] for k in TRAIN_FIELDS})
-                mb.arrays = {**mb.arrays, **moved}
-        return Prefetched(index, source, batch)
-
-    def _offer(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._ready.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                item = self._make()
-                if item is None:
-                    self._offer(_DONE)
-                    return
-                if not self._offer(item):
-                    return
-        except BaseException as error:  # handed to the consumer, never swallowed
-            self._offer(error)
-
-    def get(self, timeout_s: float | None = None) -> Prefetched | None:
-        """The next batch; None once the source is exhausted or the prefetcher closed.
-
-        Raises:
-          TimeoutError: nothing ready within `timeout_s`.
-          Exception: whatever the source, the batcher or `put` raised in the background.
-        """
-        if self._thread is None:
-            return None if self._stop.is_set() else self._make()
-        if self._stop.is_set() and self._ready.empty():
-            return None
-        try:
-            item = self._ready.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"no batch ready within {timeout_s} s") from None
-        if item is _DONE:
-            self._stop.set()
-            return None
-        if isinstance(item, BaseException):
-            self._stop.set()
-            raise item
-        return item
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stops the thread and joins it (the source function should itself return within a
-        bounded time once its own stop signal is set)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)

@@ -4,6 +4,10 @@ A reader thread pulls entries from the buffer into a bounded queue (decoding hap
 training thread). The training thread gathers `groups_per_batch` groups that pass the gate, builds
 the batch and runs the jitted step. Version `v` are the weights after the `v * publish_every`-th
 step; a batch is trained at the current version, which is what the gate measures lag against.
+While the device runs step k, the training thread gathers and builds step k+1's batch from what is
+already queued, gated at the version step k+1 will be trained at (known in advance: one more when
+step k publishes); a waiter thread times step k to its completion, so `learner/step_s` and
+`learner/utilization` count device time, not the overlapped host work.
 
 Checkpoints and acknowledgement (DESIGN.md, "Buffer contract"). With a checkpointer and
 `run.checkpoint_every` > 0 the learner saves every `checkpoint_every` steps: the train state, and
@@ -27,6 +31,7 @@ more is acknowledged (the entries come back to a resumed learner).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import pathlib
 import queue
@@ -50,6 +55,12 @@ from headrace.types import Entry
 from headrace.weights.base import WeightStore
 
 log = logging.getLogger(__name__)
+
+
+def _wait(step_metrics: dict) -> tuple[dict, float]:
+    """The step's metrics on the host, and when the step completed (perf_counter)."""
+    host = jax.device_get(step_metrics)
+    return host, time.perf_counter()
 
 
 class Learner:
@@ -94,6 +105,8 @@ class Learner:
         self._gathered = 0  # entries taken off the queue for the batch being assembled
         self.done = threading.Event()
         self.tracer = Tracer(trace_path, weights, metrics)
+        self._carry: list[Entry] = []  # passed the gate, not yet in a batch (gated again on use)
+        self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learner-wait")
         compiles.install()
         self.checkpointer = checkpointer
         self.ledger = ledger
@@ -107,10 +120,10 @@ class Learner:
     # --- weights -------------------------------------------------------------------------------
 
     def publish(self) -> None:
-        start = time.perf_counter()
+        start, began = time.perf_counter(), time.time()
         self.weights.publish(params_lib.to_host(self.state.params), self.version)
         self.metrics.observe("weights/publish_s", time.perf_counter() - start)
-        self.tracer.published(self.version, time.time())
+        self.tracer.published(self.version, began)  # actors may load it before publish returns
         self._since_publish = 0
 
     def publish_start(self) -> None:
@@ -154,30 +167,42 @@ class Learner:
             self.stop.set()
             raise
 
-    def _gather(self) -> list[Entry] | None:
-        """Blocks until groups_per_batch entries pass the gate; None once stopping."""
-        entries: list[Entry] = []
+    def _admit(self, entry: Entry, version: int) -> bool:
+        """Whether `entry` goes into a batch trained at `version`; a skip or drop is recorded."""
+        if entry.id in self.trained_ids:  # redelivered; a checkpoint already covers it
+            self.metrics.count("buffer/redelivered_skipped")
+            self._handled("skipped", [entry])
+            return False
+        reason = self.gate.check(entry.group, version)
+        if reason is not None:
+            self._handled("dropped", [entry], reason)
+            return False
+        self.tracer.gated(entry)
+        return True
+
+    def _gather(self, version: int, block: bool = True) -> list[Entry] | None:
+        """groups_per_batch entries that pass the gate at `version` (the version the batch will be
+        trained at). Blocking: waits for them; None once stopping. Not blocking: takes only what is
+        queued already; None (keeping what passed for the next call) when that is not enough."""
         need = self.config.learner.groups_per_batch
+        carried, self._carry = self._carry, []
+        entries = [e for e in carried if self._admit(e, version)]  # gated again: a later version
         while len(entries) < need:
             try:
-                entry = self._queue.get(timeout=0.05)
+                entry = self._queue.get(timeout=0.05) if block else self._queue.get_nowait()
             except queue.Empty:
+                if not block:
+                    self._carry = entries
+                    return None
                 if self.stop.is_set():
+                    self._carry = entries
                     return None
                 held = len(self._unacked) + len(entries) + self._queue.qsize()
                 if self._unacked and held >= self.config.buffer.max_pending:
                     self._acknowledge(early=True)  # the buffer hands out nothing more until then
                 continue
-            if entry.id in self.trained_ids:  # redelivered; a checkpoint already covers it
-                self.metrics.count("buffer/redelivered_skipped")
-                self._handled("skipped", [entry])
-                continue
-            reason = self.gate.check(entry.group, self.version)
-            if reason is not None:
-                self._handled("dropped", [entry], reason)
-                continue
-            self.tracer.gated(entry)
-            entries.append(entry)
+            if self._admit(entry, version):
+                entries.append(entry)
             self._gathered = len(entries)
         return entries
 
@@ -204,46 +229,67 @@ class Learner:
                     self._flush_acks()
             finally:
                 self.tracer.close()
+                self._waiter.shutdown(wait=False)
                 self.done.set()
 
     def _loop(self) -> None:
-        run = self.config.run
+        """One learner step per iteration. While the device trains step k, the host gathers and
+        builds step k+1's batch from what is already queued (gated at the version k+1 will be
+        trained at: one more when step k publishes), so batch building leaves the critical path."""
+        run, lc = self.config.run, self.config.learner
+        ahead = None  # (entries, batch) of the next step, built while the previous one trained
         while not self.stop.is_set():
             if run.max_steps and self.step >= run.max_steps:
                 return
-            wait_start = time.perf_counter()
-            entries = self._gather()
-            if entries is None:
-                return
-            self.metrics.observe("learner/wait_data_s", time.perf_counter() - wait_start)
-            with self.metrics.timer("learner/batch_s"):
-                batch = self.batcher.build([e.group for e in entries])
-                self._record_staleness(entries)
+            if ahead is None:
+                wait_start = time.perf_counter()
+                entries = self._gather(self.version)
+                if entries is None:
+                    return
+                self.metrics.observe("learner/wait_data_s", time.perf_counter() - wait_start)
+                batch = self._build(entries)
+            else:
+                (entries, batch), ahead = ahead, None
+                self.metrics.observe("learner/wait_data_s", 0.0)
+            self._record_staleness(entries)  # lag against self.version: the train version
             started, compiled = time.time(), compiles.compiles("train_step")
-            self._train(batch)
+            start = time.perf_counter()
+            # One call per microbatch, dispatched without waiting; `batch.updates` updates.
+            self.state, step_metrics = self._train_step(self.state, batch)
+            # Deliberate sync, on the waiter thread: the step is timed to its completion and its
+            # metrics come to the host, while this thread builds the next batch.
+            done = self._waiter.submit(_wait, step_metrics)
+            if not run.max_steps or self.step + 1 < run.max_steps:
+                next_version = self.version + (self._since_publish + 1) // lc.publish_every
+                upcoming = self._gather(next_version, block=False)
+                if upcoming is not None:
+                    ahead = upcoming, self._build(upcoming)
+            step_metrics, finished = done.result()
+            self._finish_step(step_metrics, finished - start, start, batch)
             self.tracer.trained(entries, started, time.time(), self.version, self.step,
                                 compiled=compiles.compiles("train_step") != compiled)
             self.trained_ids.update(e.id for e in entries)
             self._handled("trained", entries)
             self._since_publish += 1
-            if self._since_publish >= self.config.learner.publish_every:
+            if self._since_publish >= lc.publish_every:
                 self.version += 1
                 self.publish()
-            self._gathered = 0
+            self._gathered = len(ahead[0]) if ahead else len(self._carry)
             self._report_state()
             self.tracer.poll()
             if not run.checkpoint_every or self.step % run.checkpoint_every == 0:
                 self._acknowledge()
+        if ahead is not None:  # stopping: built but not trained; gated again if ever used
+            self._carry = ahead[0] + self._carry
 
-    def _train(self, batch) -> None:
-        start = time.perf_counter()
+    def _build(self, entries: list[Entry]):
+        with self.metrics.timer("learner/batch_s"):
+            return self.batcher.build([e.group for e in entries])
+
+    def _finish_step(self, step_metrics: dict, elapsed: float, start: float, batch) -> None:
+        """Records a completed step (`elapsed`: dispatch to completion)."""
         if self._first_step_at is None:
             self._first_step_at = start
-        # One call per microbatch, dispatched without waiting; `batch.updates` optimizer updates.
-        self.state, step_metrics = self._train_step(self.state, batch)
-        # Deliberate sync: the step's time is measured to completion, and metrics go to the host.
-        step_metrics = jax.device_get(step_metrics)
-        elapsed = time.perf_counter() - start
         self.step += 1
         self._busy_s += elapsed
         self._tokens += batch.real_tokens

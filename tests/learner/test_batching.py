@@ -1,14 +1,12 @@
 """The batcher against a slow per-trajectory reference; exact gradient accumulation; prefetching."""
 
-import threading
-import time
 
 import jax
 import numpy as np
 import pytest
 
 from headrace.config import LearnerConfig, LossConfig, ShapesConfig
-from headrace.learner.batching import TRAIN_FIELDS, Batcher, Prefetcher
+from headrace.learner.batching import Batcher
 from headrace.learner.train_step import init_state, make_optimizer, make_train_step
 from headrace.metrics.core import Metrics
 from headrace.model import params as params_lib
@@ -169,66 +167,3 @@ def test_microbatch_gradients_sum_to_the_minibatch_gradient():
 def _batcher():
     return Batcher(LearnerConfig(groups_per_batch=1, token_budget=32),
                    ShapesConfig(buckets=BUCKETS), Metrics())
-
-
-@pytest.mark.timeout(20)
-def test_prefetcher_runs_ahead_by_depth_and_keeps_order():
-    calls = []
-
-    def source(index):
-        calls.append(index)
-        return make_groups([[5 + index % 7, 9]], seed=index) if index < 6 else None
-
-    moved = []
-
-    def put(arrays):
-        moved.append(sorted(arrays))
-        return {k: v.copy() for k, v in arrays.items()}
-
-    prefetcher = Prefetcher(_batcher(), source, depth=2, put=put)
-    try:
-        deadline = time.monotonic() + 5
-        while len(calls) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.1)
-        assert calls == [0, 1, 2]  # two waiting, one built and blocked: no further reads
-        got = []
-        while (item := prefetcher.get(timeout_s=5)) is not None:
-            got.append(item.index)
-            assert item.batch.microbatches and item.source[0].group_id == "g0"
-        assert got == list(range(6))
-        assert prefetcher.get(timeout_s=1) is None
-        assert all(keys == sorted(TRAIN_FIELDS) for keys in moved)
-    finally:
-        prefetcher.close()
-    assert not prefetcher._thread.is_alive()
-
-
-@pytest.mark.timeout(20)
-def test_prefetcher_reraises_source_errors_and_closes_while_blocked():
-    def failing(index):
-        if index == 1:
-            raise RuntimeError("buffer went away")
-        return make_groups([[6]])
-
-    prefetcher = Prefetcher(_batcher(), failing, depth=1)
-    try:
-        assert prefetcher.get(timeout_s=5).index == 0
-        with pytest.raises(RuntimeError, match="buffer went away"):
-            prefetcher.get(timeout_s=5)
-    finally:
-        prefetcher.close()
-    endless = Prefetcher(_batcher(), lambda index: make_groups([[6]]), depth=1)
-    time.sleep(0.1)  # the thread now blocks on a full queue
-    endless.close(timeout_s=2)
-    assert not endless._thread.is_alive()
-    assert threading.active_count() < 50
-
-
-def test_prefetcher_depth_zero_builds_inline():
-    calls = []
-    prefetcher = Prefetcher(_batcher(), lambda i: calls.append(i) or make_groups([[6]]), depth=0)
-    assert calls == []
-    assert prefetcher.get().index == 0 and calls == [0]
-    with pytest.raises(ValueError, match="depth=-1"):
-        Prefetcher(_batcher(), lambda i: None, depth=-1)

@@ -1,0 +1,67 @@
+"""The learner builds step k+1's batch while step k trains, gated at the version k+1 trains at."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from headrace.buffer.memory import MemoryBuffer
+from headrace.config import load
+from headrace.learner.loop import Learner
+from headrace.metrics.core import Metrics
+from headrace.weights.memory import MemoryWeightStore
+from tests.learner.test_checkpointing import actions, make_group, model  # noqa: F401 (fixture)
+
+
+def make_learner(model, buffer, max_policy_lag: int, max_steps: int):  # noqa: F811
+    task, graphdef, params = model
+    config = load("examples/guess_number.yaml", [
+        "learner.groups_per_batch=2", "learner.minibatches=1", "buffer.max_pending=64",
+        f"staleness.max_policy_lag={max_policy_lag}", f"run.max_steps={max_steps}"])
+    learner = Learner(config, graphdef, params, buffer, MemoryWeightStore(4), Metrics(),
+                      threading.Event(),
+                      allowed_v=task.sampler_settings.allowed_mask(task.dims.vocab_size))
+    learner.publish_start()
+    return learner
+
+
+def run(learner: Learner, stop_when) -> None:
+    thread = threading.Thread(target=learner.run, daemon=True)
+    thread.start()
+    while thread.is_alive() and not stop_when():
+        thread.join(0.05)
+    learner.stop.set()
+    thread.join(60)
+    assert not thread.is_alive()
+
+
+@pytest.mark.timeout(120)
+def test_batches_are_built_ahead_and_lag_is_that_of_the_train_version(model):  # noqa: F811
+    buffer = MemoryBuffer(capacity=1000, max_pending=64)
+    buffer.put([make_group(i, actions(model)) for i in range(12)], timeout_s=1)  # version 0
+    learner = make_learner(model, buffer, max_policy_lag=100, max_steps=6)
+    lags = []
+    record = learner._record_staleness
+    learner._record_staleness = lambda entries: (
+        lags.append({learner.version - e.group.oldest_version for e in entries}),
+        record(entries))
+    run(learner, lambda: learner.done.is_set())
+    assert learner.step == 6
+    assert lags == [{k} for k in range(6)]  # step k+1 trains at version k: lag k
+    waits = learner.metrics.distribution("learner/wait_data_s")
+    assert waits.quantiles((0.5,))[0] == 0.0  # most batches were ready when their step began
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_built_ahead_is_gated_at_the_version_it_will_train_at(model):  # noqa: F811
+    buffer = MemoryBuffer(capacity=1000, max_pending=64)
+    buffer.put([make_group(i, actions(model)) for i in range(20)], timeout_s=1)  # version 0
+    learner = make_learner(model, buffer, max_policy_lag=2, max_steps=50)
+    metrics = learner.metrics
+    run(learner, lambda: metrics.snapshot().get("staleness/dropped_lag", 0)
+        + 2 * learner.step >= 20)
+    # Versions 0, 1, 2 are within the limit; from version 3 on every group is too old.
+    assert learner.step == 3
+    assert metrics.snapshot()["staleness/dropped_lag"] == 14
+    assert metrics.snapshot()["staleness/lag_max"] == 2
