@@ -84,6 +84,42 @@ class EnvConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TextConfig:
+    """How episodes become tokens (`headrace.text.template`); the default keeps the plain form."""
+
+    template: str = "plain"  # chat template: plain (bare turns), chat (role tokens), or module:NAME
+    system: str = ""  # system prompt opening every episode ("": none)
+    observation_role: Literal["user", "tool"] = "user"  # role of the observations after the first
+
+    def __post_init__(self):
+        _check(bool(self.template), "text.template", self.template,
+               "plain, chat, or module:NAME of a ChatTemplate")
+
+
+@dataclasses.dataclass(frozen=True)
+class SftConfig:
+    """`headrace sft`: supervised warm-up on demonstrations (`headrace.sft`)."""
+
+    dir: str = "runs/sft-{env}-{time}"  # run folder of the warm-up; {env} and {time} are filled in
+    demos: str = "solver"  # "solver" (the environment's `solve(seed)`) or a JSONL file of them
+    episodes: int = 512  # demonstrations the solver plays (task seeds seed_base, seed_base+1, ...)
+    seed_base: int = 0  # first task seed of the solver's demonstrations
+    steps: int = 300  # optimizer updates
+    batch_size: int = 32  # demonstrations per update
+    lr: float = 1e-3  # AdamW learning rate (other optimizer settings: learner.optimizer)
+    eval_every: int = 100  # greedy evaluation every this many updates (0: only before and after)
+    eval_episodes: int = 64  # tasks per greedy evaluation (unless the environment lists its own)
+
+    def __post_init__(self):
+        for key in ("episodes", "steps", "batch_size", "eval_episodes"):
+            _check(getattr(self, key) >= 1, f"sft.{key}", getattr(self, key), "must be >= 1")
+        _check(self.eval_every >= 0, "sft.eval_every", self.eval_every, "must be >= 0")
+        _check(self.seed_base >= 0, "sft.seed_base", self.seed_base, "must be >= 0")
+        _check(self.lr > 0, "sft.lr", self.lr, "must be > 0")
+        _check(bool(self.demos), "sft.demos", self.demos, "'solver' or a JSONL file")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     preset: Literal["tiny", "small", "custom"] = "tiny"  # fills the sizes below unless custom
     vocab_size: int = 0  # 0: the tokenizer's vocabulary size
@@ -94,6 +130,7 @@ class ModelConfig:
     d_ff: int = 128  # SwiGLU hidden width
     max_len: int = 4096  # longest sequence (RoPE table size)
     dtype: Literal["float32", "bfloat16"] = "float32"  # parameter and activation dtype
+    init_from: str = ""  # start from the weights of this run folder (headrace sft or train)
 
     def __post_init__(self):
         for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_len"):
@@ -275,6 +312,7 @@ class ParallelConfig:
         default_factory=lambda: {"data": 1, "fsdp": 1, "tensor": 1})  # axis sizes (-1: the rest)
     rules: dict[str, Any] = dataclasses.field(default_factory=dict)  # partition-rule overrides
     processes: int = 1  # local learner processes joined by jax.distributed
+    max_replicated_share: float = 0.05  # refuse a mesh that leaves more parameter bytes replicated
 
     def __post_init__(self):
         _check(set(self.mesh) <= {"data", "fsdp", "tensor"}, "parallel.mesh", self.mesh,
@@ -283,6 +321,13 @@ class ParallelConfig:
                and all(v == -1 or v >= 1 for v in self.mesh.values()),
                "parallel.mesh", self.mesh, "sizes >= 1, at most one -1")
         _check(self.processes >= 1, "parallel.processes", self.processes, "must be >= 1")
+        _check(0 <= self.max_replicated_share <= 1, "parallel.max_replicated_share",
+               self.max_replicated_share, "must be in [0, 1]")
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the learner runs on a mesh (else one device, the plain step)."""
+        return self.processes > 1 or any(v != 1 for v in self.mesh.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,6 +343,8 @@ class Config:
     shapes: ShapesConfig = ShapesConfig()
     staleness: StalenessConfig = StalenessConfig()
     parallel: ParallelConfig = ParallelConfig()
+    text: TextConfig = TextConfig()
+    sft: SftConfig = SftConfig()
 
     def __post_init__(self):
         _check(self.run.mode != "sync" or self.learner.publish_every == 1,

@@ -79,20 +79,33 @@ class ShapePolicy:
     buckets: tuple[int, ...]
     token_budget: int = 0  # token slots per microbatch (0: no budget)
     rows_per_bucket: int = 0  # rows of every microbatch, whatever its bucket (0: from the budget)
+    row_multiple: int = 1  # every row count is rounded up to a multiple (a mesh's data x fsdp)
 
     def __post_init__(self):
         buckets = tuple(int(b) for b in self.buckets)
         if not buckets or buckets[0] < 1 or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"buckets {self.buckets}: need a non-empty, strictly increasing "
                              "list of lengths >= 1")
+        if self.row_multiple < 1:
+            raise ValueError(f"row_multiple={self.row_multiple}: must be >= 1")
         if self.token_budget < 0 or self.rows_per_bucket < 0:
             raise ValueError(f"token_budget={self.token_budget}, rows_per_bucket="
                              f"{self.rows_per_bucket}: must be >= 0")
         object.__setattr__(self, "buckets", buckets)
 
     @classmethod
-    def from_config(cls, shapes: ShapesConfig, learner: LearnerConfig) -> ShapePolicy:
-        return cls(tuple(shapes.buckets), learner.token_budget, shapes.rows_per_bucket)
+    def from_config(cls, shapes: ShapesConfig, learner: LearnerConfig,
+                    row_multiple: int = 1) -> ShapePolicy:
+        return cls(tuple(shapes.buckets), learner.token_budget, shapes.rows_per_bucket,
+                   row_multiple)
+
+    def _round(self, rows: int) -> int:
+        return -(-rows // self.row_multiple) * self.row_multiple
+
+    def rows_for(self, count: int) -> int:
+        """Rows of a microbatch holding `count` rows of data, when rows are not fixed: the
+        `rows_for_count` ladder, rounded up to `row_multiple`."""
+        return self._round(rows_for_count(count))
 
     @property
     def longest(self) -> int:
@@ -117,9 +130,9 @@ class ShapePolicy:
         if bucket not in self.buckets:
             raise ValueError(f"{bucket} is not a bucket of {self.buckets}")
         if self.rows_per_bucket:
-            return self.rows_per_bucket
+            return self._round(self.rows_per_bucket)
         if self.token_budget:
-            return max(1, self.token_budget // bucket)
+            return self._round(max(1, self.token_budget // bucket))
         raise ValueError("no fixed rows: set learner.token_budget or shapes.rows_per_bucket")
 
     def shape(self, bucket: int) -> tuple[int, int]:

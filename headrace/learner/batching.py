@@ -93,14 +93,14 @@ class Batcher:
     """
 
     def __init__(self, learner: LearnerConfig, shapes: ShapesConfig, metrics: Metrics,
-                 layout: str = "bucketed"):
+                 layout: str = "bucketed", row_multiple: int = 1):
         if layout not in packing.LAYOUTS:
             raise ValueError(f"layout {layout!r}: one of {', '.join(packing.LAYOUTS)}")
         self.learner = learner
         self.shapes = shapes
         self.metrics = metrics
         self.layout = layout
-        self.policy = ShapePolicy.from_config(shapes, learner)
+        self.policy = ShapePolicy.from_config(shapes, learner, row_multiple)
         self._positions = np.arange(self.policy.longest, dtype=np.int32)
 
     def build(self, groups: Sequence[Group]) -> Batch:

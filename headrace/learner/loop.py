@@ -47,10 +47,11 @@ from headrace.buffer.base import Buffer
 from headrace.config import Config
 from headrace.learner.batching import Batcher
 from headrace.learner.gate import StalenessGate
-from headrace.learner.train_step import init_state, make_optimizer, make_train_step
+from headrace.learner.train_step import init_state, make_optimizer
 from headrace.metrics import compiles
 from headrace.metrics.core import Metrics
 from headrace.model import params as params_lib
+from headrace.parallel.step import ShardedTrainStep, learner_step
 from headrace.types import Entry
 from headrace.weights.base import WeightStore
 
@@ -88,11 +89,14 @@ class Learner:
         self.stop = stop
         lc = config.learner
         optimizer = make_optimizer(lc.optimizer)
+        # One device, or a mesh (`parallel.mesh`): then the state lives sharded on it, and every
+        # microbatch's rows divide by the mesh's data x fsdp.
+        self._train_step, row_multiple = learner_step(config, graphdef, optimizer, allowed_v)
         self.state = init_state(params, optimizer, lc.kl_coef)
-        self._train_step = make_train_step(graphdef, lc, config.sampling.temperature, optimizer,
-                                           allowed_v)
+        if isinstance(self._train_step, ShardedTrainStep):
+            self.state = self._train_step.place(self.state)
         self.gate = StalenessGate(config.staleness, metrics)
-        self.batcher = Batcher(lc, config.shapes, metrics)
+        self.batcher = Batcher(lc, config.shapes, metrics, row_multiple=row_multiple)
         self.step = 0
         self.version = 0
         self._since_publish = 0

@@ -26,7 +26,7 @@ import bisect
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from headrace.shapes import ShapePolicy, rows_for_count
+from headrace.shapes import ShapePolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +124,7 @@ def _one_microbatch(lengths: Sequence[int], policy: ShapePolicy) -> MicrobatchPl
         placed.append(Placement(item, row, width - room, n))
         if room > n:
             bisect.insort(free, (room - n, row))
-    return MicrobatchPlan(rows_for_count(used_rows), width, tuple(placed))
+    return MicrobatchPlan(policy.rows_for(used_rows), width, tuple(placed))
 
 
 def _one_per_row(items: Sequence[int], lengths: Sequence[int], rows: int,
@@ -143,7 +143,7 @@ def pad_to_max(lengths: Sequence[int], policy: ShapePolicy) -> list[MicrobatchPl
     if not lengths:
         return []
     width = policy.longest
-    rows = policy.rows(width) if policy.fixed_rows else rows_for_count(len(lengths))
+    rows = policy.rows(width) if policy.fixed_rows else policy.rows_for(len(lengths))
     return _one_per_row(range(len(lengths)), lengths, rows, width)
 
 

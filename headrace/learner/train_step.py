@@ -82,40 +82,62 @@ def _is_sums(logp, behaviour, weight) -> dict[str, jax.Array]:
             "is/rho2": jnp.sum(rho * rho), "is/ratio_max": jnp.max(rho)}
 
 
+def loss_terms(logp, entropy, mb, config: LearnerConfig, prox_logp=None, ref_logp=None):
+    """(scalar, sums) of one microbatch from its policy log-probs and entropies (positions 1..L-1).
+
+    The one definition of the learner's objective, shared by the single-device and the sharded
+    step: the policy loss of `config.loss.kind`, the entropy bonus, the KL to the reference (when
+    `ref_logp` is given) and the importance-sampling sums, all weighted by the minibatch-normalised
+    `weight`, so the scalar is the microbatch's share of its minibatch loss.
+    """
+    policy_loss = losses.LOSSES[config.loss.kind]
+    behaviour, adv, weight = (mb[k][:, 1:] for k in ("behaviour_logprobs", "advantages", "weight"))
+    per_token, clipped = policy_loss(logp, behaviour, adv, config.loss, prox=prox_logp)
+    pg_loss = jnp.sum(per_token * weight)
+    entropy_mean = jnp.sum(entropy * weight)
+    total = pg_loss - config.entropy_coef * entropy_mean
+    sums = {"loss/pg": pg_loss, "loss/entropy": entropy_mean,
+            "is/clipped_frac": jnp.sum(clipped * weight)}
+    if ref_logp is not None:
+        kl = jnp.sum(losses.kl_to_reference(logp, jax.lax.stop_gradient(ref_logp)) * weight)
+        total = total + config.kl_coef * kl
+        sums["loss/kl"] = kl
+    sums["loss/total"] = total
+    sums.update(_is_sums(jax.lax.stop_gradient(logp), behaviour, weight))
+    return total, sums
+
+
 def make_loss_fn(graphdef, config: LearnerConfig, temperature: float,
                  allowed_v: np.ndarray | None = None) -> Callable:
     """loss(params, microbatch, prox_logp, ref_params) -> (scalar, sums) for one microbatch.
 
-    The scalar is the microbatch's share of its minibatch loss (weights are minibatch-normalised).
     `allowed_v` is the sampler's action constraint (bool[vocab]) when decoding is constrained: the
     learner evaluates the same restricted distribution the actors sampled from.
     """
-    policy_loss = losses.LOSSES[config.loss.kind]
 
     def loss_fn(params, mb, prox_logp, ref_params):
         logp, entropy = _logprobs(graphdef, params, mb, temperature, allowed_v)
-        shifted = {k: mb[k][:, 1:] for k in ("behaviour_logprobs", "advantages", "weight")}
-        weight = shifted["weight"]
-        per_token, clipped = policy_loss(logp, shifted["behaviour_logprobs"],
-                                         shifted["advantages"], config.loss, prox=prox_logp)
-        pg_loss = jnp.sum(per_token * weight)
-        entropy_mean = jnp.sum(entropy * weight)
-        total = pg_loss - config.entropy_coef * entropy_mean
-        sums = {"loss/pg": pg_loss, "loss/entropy": entropy_mean,
-                "is/clipped_frac": jnp.sum(clipped * weight)}
+        ref_logp = None
         if ref_params is not None:
-            ref_logp, _ = _logprobs(graphdef, ref_params, mb, temperature, allowed_v)
-            kl = jnp.sum(losses.kl_to_reference(logp, jax.lax.stop_gradient(ref_logp)) * weight)
-            total = total + config.kl_coef * kl
-            sums["loss/kl"] = kl
-        sums["loss/total"] = total
-        sums.update(_is_sums(jax.lax.stop_gradient(logp), shifted["behaviour_logprobs"], weight))
-        return total, sums
+            ref_logp = _logprobs(graphdef, ref_params, mb, temperature, allowed_v)[0]
+        return loss_terms(logp, entropy, mb, config, prox_logp, ref_logp)
 
     return loss_fn
 
 
-def _finish(sums: dict[str, jax.Array], per_update: jax.Array) -> dict[str, jax.Array]:
+SUM_KEYS = ("loss/pg", "loss/entropy", "is/clipped_frac", "loss/total", "is/n", "is/rho",
+            "is/rho2", "is/ratio_max", "learner/grad_norm", "learner/update_norm")
+
+
+def zero_accum(state: TrainState, decoupled: bool) -> Accum:
+    """The accumulator between steps: zero gradients and sums (and anchor, for `decoupled`)."""
+    keys = SUM_KEYS + (("loss/kl",) if state.ref_params is not None else ())
+    return Accum(jax.tree.map(jnp.zeros_like, state.params),
+                 {k: jnp.zeros((), jnp.float32) for k in keys},
+                 jax.tree.map(jnp.zeros_like, state.params) if decoupled else None)
+
+
+def finish_sums(sums: dict[str, jax.Array], per_update: jax.Array) -> dict[str, jax.Array]:
     """Step metrics from the sums: loss parts and norms averaged over updates, IS over tokens."""
     out = {k: v * per_update for k, v in sums.items() if not k.startswith("is/")}
     n = jnp.maximum(sums["is/n"], 1.0)
@@ -126,70 +148,91 @@ def _finish(sums: dict[str, jax.Array], per_update: jax.Array) -> dict[str, jax.
     return out
 
 
+def microbatch_program(grads_and_sums: Callable, optimizer: optax.GradientTransformation,
+                       decoupled: bool) -> Callable:
+    """The program of one microbatch, around `grads_and_sums(params, mb, anchor, ref_params) ->
+    (grads, sums)`: accumulate the gradient and the sums; on a minibatch's last microbatch apply one
+    optimizer update and clear the accumulator (a `lax.cond`, so no extra compilation). The same
+    for every way of computing the gradient (one device, or a mesh)."""
+
+    def program(carry: tuple[TrainState, Accum], mb: dict[str, jax.Array], first: jax.Array,
+                last: jax.Array, per_update: jax.Array):
+        state, acc = carry
+        # A step's first microbatch starts from zeroed sums (grads are zeroed by each update).
+        sums = jax.tree.map(lambda s: jnp.where(first, jnp.zeros_like(s), s), acc.sums)
+        anchor = None
+        if decoupled:  # proximal policy: the weights at the start of this step
+            anchor = jax.lax.cond(first, lambda: state.params, lambda: acc.anchor)
+        grads, new = grads_and_sums(state.params, mb, anchor, state.ref_params)
+        grads = jax.tree.map(jnp.add, acc.grads, grads)
+        sums = {k: (jnp.maximum if k == "is/ratio_max" else jnp.add)(v, new[k])
+                if k in new else v for k, v in sums.items()}
+
+        def update(_):  # on the global (possibly sharded) arrays: norms and clipping are global
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            norms = (optax.tree.norm(grads), optax.tree.norm(updates))
+            return (TrainState(state.step + 1, params, opt_state, state.ref_params),
+                    jax.tree.map(jnp.zeros_like, grads), norms)
+
+        def keep(_):
+            zero = jnp.zeros((), jnp.float32)
+            return state, grads, (zero, zero)
+
+        state, grads, (grad_norm, update_norm) = jax.lax.cond(last, update, keep, None)
+        sums["learner/grad_norm"] = sums["learner/grad_norm"] + grad_norm
+        sums["learner/update_norm"] = sums["learner/update_norm"] + update_norm
+        metrics = finish_sums(sums, per_update)
+        metrics["learner/param_norm"] = optax.tree.norm(state.params)
+        return (state, Accum(grads, sums, anchor)), metrics
+
+    return program
+
+
 class TrainStep:
     """Runs a learner step microbatch by microbatch; `(state, batch) -> (state, metrics)`.
 
     Donates `state` (its buffers are reused). Each microbatch call is dispatched without waiting
     (no host sync here); the returned metrics are device arrays, ready once the step has run.
-    Not thread-safe: one step at a time.
+    Not thread-safe: one step at a time. Subclasses change where the arrays live (`_placed`,
+    `_put`) and how the program is built (`_compile`); `parallel.step.ShardedTrainStep` is one.
     """
+
+    name = "train_step"  # the jitted program's name (`compiles("train_step")` counts it)
 
     def __init__(self, graphdef, config: LearnerConfig, temperature: float,
                  optimizer: optax.GradientTransformation, allowed_v: np.ndarray | None = None):
-        loss_fn = make_loss_fn(graphdef, config, temperature, allowed_v)
-        decoupled = config.loss.kind == "decoupled"
-
-        def train_step(carry: tuple[TrainState, Accum], mb: dict[str, jax.Array],
-                       first: jax.Array, last: jax.Array, per_update: jax.Array):
-            state, acc = carry
-            # A step's first microbatch starts from zeroed sums (grads are zeroed by each update).
-            sums = jax.tree.map(lambda s: jnp.where(first, jnp.zeros_like(s), s), acc.sums)
-            prox = anchor = None
-            if decoupled:  # proximal policy: the weights at the start of this step
-                anchor = jax.lax.cond(first, lambda: state.params, lambda: acc.anchor)
-                prox = jax.lax.stop_gradient(
-                    _logprobs(graphdef, anchor, mb, temperature, allowed_v)[0])
-            grads, new = jax.grad(loss_fn, has_aux=True)(state.params, mb, prox, state.ref_params)
-            grads = jax.tree.map(jnp.add, acc.grads, grads)
-            sums = {k: (jnp.maximum if k == "is/ratio_max" else jnp.add)(v, new[k])
-                    if k in new else v for k, v in sums.items()}
-
-            def update(_):
-                updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-                params = optax.apply_updates(state.params, updates)
-                norms = (optax.tree.norm(grads), optax.tree.norm(updates))
-                return (TrainState(state.step + 1, params, opt_state, state.ref_params),
-                        jax.tree.map(jnp.zeros_like, grads), norms)
-
-            def keep(_):
-                zero = jnp.zeros((), jnp.float32)
-                return state, grads, (zero, zero)
-
-            state, grads, (grad_norm, update_norm) = jax.lax.cond(last, update, keep, None)
-            sums["learner/grad_norm"] = sums["learner/grad_norm"] + grad_norm
-            sums["learner/update_norm"] = sums["learner/update_norm"] + update_norm
-            metrics = _finish(sums, per_update)
-            metrics["learner/param_norm"] = optax.tree.norm(state.params)
-            return (state, Accum(grads, sums, anchor)), metrics
-
-        self._decoupled = decoupled
-        self._loss_fn = loss_fn
-        self._step = jax.jit(train_step, donate_argnums=0)
+        self.graphdef = graphdef
+        self.config = config
+        self.temperature = temperature
+        self.optimizer = optimizer
+        self.allowed_v = allowed_v
+        self.decoupled = config.loss.kind == "decoupled"
+        self._step = None
         self._acc: Accum | None = None
 
-    def _zero_accum(self, state: TrainState) -> Accum:
-        grads = jax.tree.map(jnp.zeros_like, state.params)
-        mb = {k: jax.ShapeDtypeStruct((1, 2), jnp.int32 if k in ("tokens", "positions",
-                                                                   "segment_ids") else jnp.float32)
-              for k in TRAIN_FIELDS}
-        shapes = jax.eval_shape(self._loss_fn, state.params, mb,
-                                jax.ShapeDtypeStruct((1, 1), jnp.float32)
-                                if self._decoupled else None, state.ref_params)[1]
-        sums = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
-        sums["learner/grad_norm"] = jnp.zeros((), jnp.float32)
-        sums["learner/update_norm"] = jnp.zeros((), jnp.float32)
-        anchor = jax.tree.map(jnp.zeros_like, state.params) if self._decoupled else None
-        return Accum(grads, sums, anchor)
+    def grads_and_sums(self, params, mb, anchor, ref_params):
+        """(gradient, sums) of one microbatch on one device."""
+        loss_fn = make_loss_fn(self.graphdef, self.config, self.temperature, self.allowed_v)
+        prox = None
+        if anchor is not None:
+            prox = jax.lax.stop_gradient(
+                _logprobs(self.graphdef, anchor, mb, self.temperature, self.allowed_v)[0])
+        return jax.grad(loss_fn, has_aux=True)(params, mb, prox, ref_params)
+
+    def _program(self) -> Callable:
+        program = microbatch_program(self.grads_and_sums, self.optimizer, self.decoupled)
+        program.__name__ = program.__qualname__ = self.name
+        return program
+
+    def _compile(self, carry) -> Callable:
+        return jax.jit(self._program(), donate_argnums=0)
+
+    def _placed(self, state: TrainState) -> TrainState:
+        return state
+
+    def _put(self, arrays: dict[str, Any]) -> dict[str, Any]:
+        return arrays
 
     def __call__(self, state: TrainState, batch: Batch,
                  sync: bool = False) -> tuple[TrainState, dict[str, Any]]:
@@ -204,18 +247,24 @@ class TrainStep:
         """
         if not batch.microbatches:
             return state, {}
+        arrays = [self._put({k: mb.arrays[k] for k in TRAIN_FIELDS}) for mb in batch.microbatches]
+        state = self._placed(state)
         if self._acc is None:
-            self._acc = self._zero_accum(state)
+            self._acc = self._placed_accum(zero_accum(state, self.decoupled))
+        if self._step is None:
+            self._step = self._compile((state, self._acc))
         per_update = np.float32(1.0 / max(batch.updates, 1))
         carry, metrics = (state, self._acc), {}
-        for i, mb in enumerate(batch.microbatches):
-            arrays = {k: mb.arrays[k] for k in TRAIN_FIELDS}
-            carry, metrics = self._step(carry, arrays, np.bool_(i == 0), np.bool_(mb.last),
+        for i, (mb, mb_arrays) in enumerate(zip(batch.microbatches, arrays)):
+            carry, metrics = self._step(carry, mb_arrays, np.bool_(i == 0), np.bool_(mb.last),
                                         per_update)
             if sync:
                 jax.block_until_ready(carry)  # deliberate sync (measurement only)
         state, self._acc = carry
         return state, metrics
+
+    def _placed_accum(self, acc: Accum) -> Accum:
+        return acc
 
 
 def make_train_step(graphdef, config: LearnerConfig, temperature: float,

@@ -39,3 +39,30 @@ def test_train_learns_guess_number_and_prints_one_json_object(tmp_path):
                  "staleness/lag_mean", "is/ess", "learner/compiles"):
         assert name in records[-1], name
     assert any(p.name.startswith("events.out.tfevents") for p in (run_dir / "tensorboard").iterdir())
+
+
+@pytest.mark.timeout(900)
+def test_train_on_a_device_mesh_learns(tmp_path):
+    """The learner sharded over 8 simulated devices (data 2, fsdp 2, tensor 2) learns as before."""
+    result = subprocess.run(
+        [sys.executable, "-m", "headrace.cli", "train", "examples/guess_number.yaml", "--json",
+         "--set", f"run.dir={tmp_path}/run", *SMALL,
+         "--set", "parallel.mesh={data: 2, fsdp: 2, tensor: 2}", "--set", "model.vocab_size=40"],
+        capture_output=True, text=True, timeout=880)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["steps"] == 150
+    assert summary["final_success_rate"] >= RANDOM_SUCCESS + 0.3, summary
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["learner/compiles"] <= 8  # the shape set, not one program per step
+
+
+def test_a_mesh_that_does_not_fit_the_model_is_one_clear_error(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "headrace.cli", "train", "examples/guess_number.yaml",
+         "--set", f"run.dir={tmp_path}/run", "--set", "run.max_steps=1",
+         "--set", "parallel.mesh={data: 1, fsdp: 1, tensor: 8}"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert "replicated" in result.stderr and "parallel.max_replicated_share" in result.stderr
