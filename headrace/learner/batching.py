@@ -93,7 +93,10 @@ class Batcher:
     """
 
     def __init__(self, learner: LearnerConfig, shapes: ShapesConfig, metrics: Metrics,
-                 layout: str = "bucketed", row_multiple: int = 1):
+                 layout: str = "bucketed", row_multiple: int = 1, peers=None):
+        """`peers`: the other learner processes of a multi-host learner
+        (`parallel.multihost.Peers`): weights are then normalised over the global minibatch and
+        microbatch shapes agreed with them; None: this process alone."""
         if layout not in packing.LAYOUTS:
             raise ValueError(f"layout {layout!r}: one of {', '.join(packing.LAYOUTS)}")
         self.learner = learner
@@ -101,6 +104,7 @@ class Batcher:
         self.metrics = metrics
         self.layout = layout
         self.policy = ShapePolicy.from_config(shapes, learner, row_multiple)
+        self.peers = peers
         self._positions = np.arange(self.policy.longest, dtype=np.int32)
 
     def build(self, groups: Sequence[Group]) -> Batch:
@@ -111,10 +115,15 @@ class Batcher:
         minibatches = [self._items([groups[i] for i in split]) for split in splits]
         plans = packing.plan_step([[it.length for it in items] for items in minibatches],
                                   self.policy, self.layout)
+        counts = np.array([[sum(int(it.mask.sum()) for it in items), len(items)]
+                           for items in minibatches], np.int64).reshape(-1, 2)
+        if self.peers is not None:  # one global minibatch over every learner process
+            counts = self.peers.total(counts)
+            plans = _pad_to(plans, self.peers.agree([[p.shape for p in mb] for mb in plans]))
         out: list[Microbatch] = []
         updates = real = loss = slots = placed = 0
         for index, (items, mb_plans) in enumerate(zip(minibatches, plans)):
-            weights = self._weights(items)
+            weights = self._weights(items, *counts[index])
             for k, plan in enumerate(mb_plans):
                 out.append(Microbatch(self._fill(plan, items, weights), index,
                                       last=k == len(mb_plans) - 1))
@@ -157,13 +166,14 @@ class Batcher:
             self.metrics.count("batch/rejected", rejected)
         return items
 
-    def _weights(self, items: list[_Item]) -> list[np.ndarray]:
-        """Per-trajectory token weights summing to 1 over the minibatch's loss tokens."""
+    def _weights(self, items: list[_Item], loss_tokens: int, trajectories: int) -> list[np.ndarray]:
+        """Per-trajectory token weights summing to 1 over the minibatch's loss tokens (the counts
+        are the minibatch's: over every learner process when there are several)."""
         if self.learner.loss_agg == "token_mean":
-            total = max(sum(int(it.mask.sum()) for it in items), 1)
+            total = max(int(loss_tokens), 1)
             return [it.mask / np.float32(total) for it in items]
         # sequence_mean: every trajectory with loss tokens weighs 1 / (their count)
-        return [it.mask / np.float32(it.mask.sum() * len(items)) for it in items]
+        return [it.mask / np.float32(it.mask.sum() * max(int(trajectories), 1)) for it in items]
 
     def _fill(self, plan: packing.MicrobatchPlan, items: list[_Item],
               weights: list[np.ndarray]) -> dict[str, np.ndarray]:
@@ -182,3 +192,15 @@ class Batcher:
             arrays["policy_version"][row, cols] = t.policy_version[:p.length]
             arrays["weight"][row, cols] = weights[p.item]
         return arrays
+
+
+def _pad_to(plans: list[list[packing.MicrobatchPlan]],
+            agreed: list[list[tuple[int, int]]]) -> list[list[packing.MicrobatchPlan]]:
+    """This process's plans laid onto the agreed shapes (`Peers.agree`): widest first, each
+    padded to its agreed rows and width, all-padding microbatches where this process has fewer."""
+    out = []
+    for mine, shapes in zip(plans, agreed):
+        mine = sorted(mine, key=lambda p: (p.width, p.rows), reverse=True)
+        out.append([packing.MicrobatchPlan(rows, width, mine[j].placements if j < len(mine) else ())
+                    for j, (rows, width) in enumerate(shapes)])
+    return out

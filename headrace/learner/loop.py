@@ -51,6 +51,7 @@ from headrace.learner.train_step import init_state, make_optimizer
 from headrace.metrics import compiles
 from headrace.metrics.core import Metrics
 from headrace.model import params as params_lib
+from headrace.parallel import multihost
 from headrace.parallel.step import ShardedTrainStep, learner_step
 from headrace.types import Entry
 from headrace.weights.base import WeightStore
@@ -92,11 +93,16 @@ class Learner:
         # One device, or a mesh (`parallel.mesh`): then the state lives sharded on it, and every
         # microbatch's rows divide by the mesh's data x fsdp.
         self._train_step, row_multiple = learner_step(config, graphdef, optimizer, allowed_v)
+        # Several learner processes (`parallel.processes`): process 0 alone writes weights and
+        # talks to admission control; batches are agreed with the others (`multihost`).
+        self.processes = jax.process_count()
+        self.primary = jax.process_index() == 0
         self.state = init_state(params, optimizer, lc.kl_coef)
         if isinstance(self._train_step, ShardedTrainStep):
             self.state = self._train_step.place(self.state)
         self.gate = StalenessGate(config.staleness, metrics)
-        self.batcher = Batcher(lc, config.shapes, metrics, row_multiple=row_multiple)
+        self.batcher = Batcher(lc, config.shapes, metrics, row_multiple=row_multiple,
+                               peers=multihost.Peers() if self.processes > 1 else None)
         self.step = 0
         self.version = 0
         self._since_publish = 0
@@ -107,6 +113,7 @@ class Learner:
         self._busy_s = 0.0
         self._tokens = 0
         self._gathered = 0  # entries taken off the queue for the batch being assembled
+        self._in_training = 0  # entries of the step being trained (ahead of any new group)
         self.done = threading.Event()
         self.tracer = Tracer(trace_path, weights, metrics)
         self._carry: list[Entry] = []  # passed the gate, not yet in a batch (gated again on use)
@@ -125,7 +132,11 @@ class Learner:
 
     def publish(self) -> None:
         start, began = time.perf_counter(), time.time()
-        self.weights.publish(params_lib.to_host(self.state.params), self.version)
+        params = self.state.params
+        if self.processes > 1:
+            params = multihost.host_params(params)  # a collective: every process joins
+        if self.primary:
+            self.weights.publish(params_lib.to_host(params), self.version)
         self.metrics.observe("weights/publish_s", time.perf_counter() - start)
         self.tracer.published(self.version, began)  # actors may load it before publish returns
         self._since_publish = 0
@@ -134,6 +145,9 @@ class Learner:
         """Publishes the starting weights unless the store already holds them: version 0 on a
         fresh run; after a resume whose store went past the checkpoint (versions published after
         it, from updates lost with the crash), the restored weights as the next version."""
+        if self.processes > 1:  # a fresh multi-process run (no resume yet): all publish v0
+            self.publish()
+            return
         latest = self.weights.latest_version()
         if latest == self.version:
             return
@@ -144,10 +158,11 @@ class Learner:
 
     def _report_state(self) -> None:
         """Tells admission control where the learner is (version, steps since publish, queue)."""
-        if self.admission is not None:
+        if self.admission is not None and self.primary:
             step_s = self.metrics.distribution("learner/step_s")
+            # Every process reads about as much as this one: the queue ahead is P times it.
             self.admission.learner_update(self.version, self._since_publish,
-                                          self._queue.qsize() + self._gathered,
+                                          (self._queue.qsize() + self._gathered) * self.processes,
                                           step_s.mean() if step_s is not None else 0.0)
 
     # --- reading -------------------------------------------------------------------------------
@@ -188,7 +203,7 @@ class Learner:
         """groups_per_batch entries that pass the gate at `version` (the version the batch will be
         trained at). Blocking: waits for them; None once stopping. Not blocking: takes only what is
         queued already; None (keeping what passed for the next call) when that is not enough."""
-        need = self.config.learner.groups_per_batch
+        need = self.config.learner.groups_per_batch // self.processes  # this process's share
         carried, self._carry = self._carry, []
         entries = [e for e in carried if self._admit(e, version)]  # gated again: a later version
         while len(entries) < need:
@@ -207,7 +222,7 @@ class Learner:
                 continue
             if self._admit(entry, version):
                 entries.append(entry)
-            self._gathered = len(entries)
+            self._gathered = self._in_training + len(entries)
         return entries
 
     # --- training ------------------------------------------------------------------------------
@@ -256,6 +271,7 @@ class Learner:
                 (entries, batch), ahead = ahead, None
                 self.metrics.observe("learner/wait_data_s", 0.0)
             self._record_staleness(entries)  # lag against self.version: the train version
+            self._in_training = len(entries)
             started, compiled = time.time(), compiles.compiles("train_step")
             start = time.perf_counter()
             # One call per microbatch, dispatched without waiting; `batch.updates` updates.
@@ -278,6 +294,7 @@ class Learner:
             if self._since_publish >= lc.publish_every:
                 self.version += 1
                 self.publish()
+            self._in_training = 0
             self._gathered = len(ahead[0]) if ahead else len(self._carry)
             self._report_state()
             self.tracer.poll()

@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from headrace.config import Config, LearnerConfig
+from headrace.config import Config, ConfigError, LearnerConfig
 from headrace.learner.batching import TRAIN_FIELDS, Batch
 from headrace.learner.train_step import Accum, TrainState, TrainStep, loss_terms, zero_accum
 from headrace.model import params as params_lib
@@ -116,7 +116,7 @@ class ShardedTrainStep(TrainStep):
           ConfigError: a bad `parallel.rules` override.
         """
         self._setup(state)
-        return jax.device_put(state, self.state_shardings)
+        return _to_mesh(state, self.state_shardings)
 
     def _put(self, arrays: dict[str, Any]) -> dict[str, jax.Array]:
         """A microbatch's arrays on the mesh, rows split over data x fsdp.
@@ -125,13 +125,18 @@ class ShardedTrainStep(TrainStep):
           ValueError: the rows do not divide by data x fsdp.
         """
         shape = arrays["tokens"].shape
-        ways = row_shards(self.mesh)
+        processes = jax.process_count()  # each process holds its own rows (multi-host)
+        ways = row_shards(self.mesh) // processes
         if shape[0] % ways:
             raise ValueError(
                 f"microbatch shape {tuple(shape)}: {shape[0]} rows do not divide by data x fsdp = "
                 f"{ways} on mesh {dict(self.mesh.shape)}; the batcher's rows must be multiples of "
                 f"{ways} (the learner sets shapes.row_multiple from the mesh)")
-        return jax.device_put(arrays, self.batch_sharding)
+        if processes == 1:
+            return jax.device_put(arrays, self.batch_sharding)
+        rows = (shape[0] * processes, shape[1])
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v, rows)
+                for k, v in arrays.items()}
 
     def _placed(self, state: TrainState) -> TrainState:
         """`state`, placed by the rules unless it is already (the state this step returned, or
@@ -141,10 +146,10 @@ class ShardedTrainStep(TrainStep):
         self._setup(state)
         ok = all(getattr(x, "sharding", None) is not None and x.sharding.is_equivalent_to(s, x.ndim)
                  for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(self.state_shardings)))
-        return state if ok else jax.device_put(state, self.state_shardings)
+        return state if ok else _to_mesh(state, self.state_shardings)
 
     def _placed_accum(self, acc: Accum) -> Accum:
-        return jax.device_put(acc, self.shardings_for(acc))
+        return _to_mesh(acc, self.shardings_for(acc))
 
     # --- the program ---------------------------------------------------------------------------
 
@@ -212,6 +217,23 @@ class ShardedTrainStep(TrainStep):
         return state, metrics
 
 
+def _to_mesh(tree: Any, shardings: Any) -> Any:
+    """`tree` laid out by `shardings`. With several processes every process passes the same
+    values (host data, or arrays already global): each builds its own shards from them."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def one(x, sharding):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            if x.sharding.is_equivalent_to(sharding, x.ndim):
+                return x
+            return jax.jit(lambda a: a, out_shardings=sharding)(x)
+        host = np.asarray(jax.device_get(x))
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(one, tree, shardings)
+
+
 def learner_step(config: Config, graphdef, optimizer: optax.GradientTransformation,
                  allowed_v: np.ndarray | None = None) -> tuple[TrainStep, int]:
     """The learner's step for `config.parallel`, and the row multiple its microbatches need.
@@ -226,9 +248,14 @@ def learner_step(config: Config, graphdef, optimizer: optax.GradientTransformati
     if not config.parallel.sharded:
         return TrainStep(graphdef, lc, temperature, optimizer, allowed_v), 1
     mesh = make_mesh(config.parallel.mesh)
+    local = jax.local_device_count()
+    if jax.process_count() > 1 and local % axis_size(mesh, TENSOR):
+        raise ConfigError(f"parallel.mesh={config.parallel.mesh}: tensor="
+                          f"{axis_size(mesh, TENSOR)} must divide each process's {local} devices "
+                          "(a process's rows must live on its own devices)")
     if mesh.size == 1:
         return TrainStep(graphdef, lc, temperature, optimizer, allowed_v), 1
     step = ShardedTrainStep(graphdef, lc, temperature, optimizer, allowed_v, mesh=mesh,
                             rules=config.parallel.rules,
                             max_replicated_share=config.parallel.max_replicated_share)
-    return step, row_shards(mesh)
+    return step, row_shards(mesh) // jax.process_count()  # this process's rows

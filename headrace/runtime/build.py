@@ -22,7 +22,8 @@ from headrace.env.registry import env_factory
 from headrace.model import params as params_lib
 from headrace.model.sampler import Sampler, SamplerSettings
 from headrace.model.transformer import ModelDims
-from headrace.text.tokenizers import EOS, Tokenizer, WordTokenizer, for_vocabulary
+from headrace.text.template import make_tokenizer
+from headrace.text.tokenizers import EOS, Tokenizer, WordTokenizer
 from headrace.weights.base import WeightStore
 from headrace.weights.memory import MemoryWeightStore
 
@@ -54,11 +55,15 @@ def build_task(config: Config) -> Task:
     probe = make_env()
     spec = probe.spec
     probe.close()
-    tokenizer = for_vocabulary(spec.vocabulary)
+    tokenizer = make_tokenizer(spec.vocabulary, config.text)  # carries the chat template
     dims = ModelDims.from_config(config.model, tokenizer.vocab_size)
     if dims.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size={dims.vocab_size}: the tokenizer needs at least "
                           f"{tokenizer.vocab_size}")
+    if config.model.init_from:  # fail here, in the supervisor, not in the learner process
+        from headrace.sft import check_init_from
+
+        check_init_from(config, dims)
     sampling = config.sampling
     allowed = None
     if sampling.constrain_to_actions and spec.action_words and isinstance(tokenizer, WordTokenizer):
@@ -75,6 +80,11 @@ def make_sampler(config: Config, task: Task, graphdef, seed: int) -> Sampler:
 
 
 def init_params(config: Config, task: Task):
+    """Fresh parameters, or those of the run folder `model.init_from` names (`headrace.sft`)."""
+    if config.model.init_from:
+        from headrace.sft import load_init_params
+
+        return load_init_params(config, task.dims)
     return params_lib.init(task.dims, config.run.seed)
 
 
@@ -123,6 +133,9 @@ def check_flow(config: Config) -> None:
     if b.max_pending < lc.groups_per_batch * 2:
         raise ConfigError(f"buffer.max_pending={b.max_pending}: must be >= 2 x "
                           f"learner.groups_per_batch = {2 * lc.groups_per_batch}")
+    from headrace.parallel import multihost
+
+    multihost.check(config)
 
 
 def make_run_dir(config: Config) -> pathlib.Path:

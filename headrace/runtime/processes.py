@@ -33,6 +33,7 @@ from headrace.config import Config
 from headrace.metrics.core import Metrics
 from headrace.metrics.remote import read as read_metrics
 from headrace.model import params as params_lib
+from headrace.parallel import multihost
 from headrace.runtime import build, resume, supervise, worker
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,14 @@ class Supervisor:
         self._context = multiprocessing.get_context("spawn")
         data = config.to_dict()
         placement = config.run
-        self.learner = Child("learner", worker.learner_main,
-                             (data, str(run_dir), url, run_id, tuple(placement.learner_cpus)))
+        processes = config.parallel.processes
+        coordinator = f"127.0.0.1:{multihost.free_port()}" if processes > 1 else ""
+        self.learners = [
+            Child("learner" if processes == 1 else f"learner-{i}", worker.learner_main,
+                  (data, str(run_dir), url, run_id, tuple(placement.learner_cpus), i, processes,
+                   coordinator))
+            for i in range(processes)]
+        self.learner = self.learners[0]  # process 0: publishes weights, decides when it is done
         self.actors = [Child(f"actor-{i}", worker.actor_main,
                              (data, str(run_dir), url, run_id, i, tuple(placement.actor_cpus)))
                        for i in range(config.actor.num_actors)]
@@ -74,7 +81,8 @@ class Supervisor:
         child.process.start()
 
     def start_learner(self) -> None:
-        self._start(self.learner)
+        for child in self.learners:
+            self._start(child)
 
     def start_actors(self) -> None:
         for child in self.actors:
@@ -83,10 +91,11 @@ class Supervisor:
     def check(self) -> None:
         """Restarts crashed actors (with backoff); records a learner failure."""
         now = time.monotonic()
-        learner = self.learner.process
-        if learner is not None and not learner.is_alive() and learner.exitcode != 0 \
-                and self.failure is None:  # exit code 0: it finished (run.max_steps)
-            self.failure = f"learner exited with code {learner.exitcode}"
+        for child in self.learners:
+            learner = child.process
+            if learner is not None and not learner.is_alive() and learner.exitcode != 0 \
+                    and self.failure is None:  # exit code 0: it finished (run.max_steps)
+                self.failure = f"{child.name} exited with code {learner.exitcode}"
         for child in self.actors:
             process = child.process
             if process is None or process.is_alive():
@@ -101,7 +110,7 @@ class Supervisor:
             child.process = None
 
     def stop(self) -> None:
-        children = [c.process for c in (*self.actors, self.learner) if c.process is not None]
+        children = [c.process for c in (*self.actors, *self.learners) if c.process is not None]
         for process in children:
             if process.is_alive():
                 process.terminate()  # SIGTERM: the child sets its stop event and finishes

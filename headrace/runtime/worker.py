@@ -22,6 +22,10 @@ PR_SET_PDEATHSIG = 1
 
 
 def _setup(name: str, cpus: tuple[int, ...], xla_threads: int) -> threading.Event:
+    # stdout belongs to the supervisor (`--json` prints one object there): a child's output, even
+    # from C++ libraries (Gloo's connection messages), goes to stderr.
+    sys.stdout.flush()
+    os.dup2(2, 1)
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() == 1:  # the supervisor died before we got here
@@ -55,8 +59,16 @@ def _common(config_data: dict[str, Any], run_dir: str):
 
 
 def learner_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: str,
-                 cpus: tuple[int, ...]) -> None:
-    stop = _setup("learner", cpus, 1 if cpus else 0)
+                 cpus: tuple[int, ...], process_id: int = 0, processes: int = 1,
+                 coordinator: str = "") -> None:
+    """One learner process; with `processes` > 1, process `process_id` of a jax.distributed job
+    whose coordinator listens on `coordinator` (host:port)."""
+    name = "learner" if processes == 1 else f"learner-{process_id}"
+    stop = _setup(name, cpus, 1 if cpus else 0)
+    if processes > 1:
+        from headrace.parallel import multihost
+
+        multihost.initialize(coordinator, processes, process_id)  # before any computation
     from headrace.learner.loop import Learner
     from headrace.metrics.core import Metrics
     from headrace.metrics.remote import Publisher
@@ -64,27 +76,30 @@ def learner_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: st
     from headrace.runtime.checkpoint import Checkpointer
 
     config, task, weights = _common(config_data, run_dir)
-    buffer = build.make_buffer(config, url=url, run_id=run_id, consumer="learner-0")
+    buffer = build.make_buffer(config, url=url, run_id=run_id, consumer=f"learner-{process_id}")
     graphdef, params = build.init_params(config, task)
     metrics = Metrics()
-    publisher = Publisher(buffer.client, run_id, "learner", metrics, extra=buffer.stats).start()
+    publisher = Publisher(buffer.client, run_id, name, metrics, extra=buffer.stats).start()
     admission = build.make_admission(config, buffer, url=url, run_id=run_id)
     # Crash safety: restore the latest checkpoint of the run folder, if any (a resumed run).
+    # A multi-process learner has no checkpoints yet (multihost.check refuses checkpoint_every).
     checkpointer = Checkpointer(pathlib.Path(run_dir) / resume.CHECKPOINT_DIR,
-                                keep=resume.CHECKPOINTS_KEPT)
+                                keep=resume.CHECKPOINTS_KEPT) if processes == 1 else None
     ledger = resume.Ledger(pathlib.Path(run_dir) / resume.LEDGER_DIR) if config.run.ledger \
         else None
     try:
         learner = Learner(config, graphdef, params, buffer, weights, metrics, stop,
                           allowed_v=task.sampler_settings.allowed_mask(task.dims.vocab_size),
                           admission=admission, checkpointer=checkpointer, ledger=ledger,
-                          trace_path=build.trace_path(config, pathlib.Path(run_dir)))
+                          trace_path=build.trace_path(config, pathlib.Path(run_dir))
+                          if process_id == 0 else None)
         learner.publish_start()  # version 0, or the restored weights after a resume
         learner.run()
     finally:
         publisher.stop()
         buffer.close()
-        checkpointer.close()
+        if checkpointer is not None:
+            checkpointer.close()
         if ledger is not None:
             ledger.close()
 

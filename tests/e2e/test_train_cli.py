@@ -1,6 +1,7 @@
 """Tiny end-to-end runs through the real command line: the system learns, and says so in JSON."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -66,3 +67,22 @@ def test_a_mesh_that_does_not_fit_the_model_is_one_clear_error(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert "replicated" in result.stderr and "parallel.max_replicated_share" in result.stderr
+
+
+@pytest.mark.timeout(600)
+def test_two_learner_processes_train_through_the_supervisor(tmp_path):
+    """parallel.processes=2: the supervisor starts two learner processes joined by
+    jax.distributed (coordinator on loopback), each a consumer of the buffer."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    result = subprocess.run(
+        [sys.executable, "-m", "headrace.cli", "train", "examples/guess_number.yaml", "--json",
+         "--set", f"run.dir={tmp_path}/run", "--set", "run.launcher=processes",
+         "--set", "parallel.processes=2", "--set", "parallel.mesh={data: -1}",
+         "--set", "run.max_steps=12", "--set", "run.eval_every=0",
+         "--set", "learner.groups_per_batch=8", "--set", "actor.envs_per_actor=128"],
+        capture_output=True, text=True, timeout=580, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["steps"] == 12 and not summary["errors"], summary
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["learner/groups"] == 12 * 8  # both processes' shares, counted once each

@@ -1,0 +1,77 @@
+"""One learner process of `test_multihost.py`: trains fixed groups, saves what it computed.
+
+python -m tests.parallel.learner_process PROCESS_ID PROCESSES PORT OUT_DIR
+
+Every process builds the same 8 groups (2 steps of 4) and the same initial weights; process i of P
+gets, for each step, its share of that step's groups in its own buffer, exactly as each learner
+process of a job is one consumer of the buffer. Process 0 writes the final parameters and every
+step's metrics to OUT_DIR/result.npz.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # 2 devices a process
+
+STEPS, GROUPS_PER_BATCH = 2, 4
+
+
+def main(process_id: int, processes: int, port: int, out_dir: str) -> None:
+    if processes > 1:
+        from headrace.parallel import multihost
+
+        multihost.initialize(f"127.0.0.1:{port}", processes, process_id)
+    import threading
+
+    import numpy as np
+
+    from headrace.buffer.memory import MemoryBuffer
+    from headrace.config import load
+    from headrace.learner.loop import Learner
+    from headrace.metrics.core import Metrics
+    from headrace.model import params as params_lib
+    from headrace.parallel import multihost
+    from headrace.runtime import build
+    from headrace.weights.memory import MemoryWeightStore
+    from tests.learner.test_checkpointing import make_group
+
+    overrides = [f"learner.groups_per_batch={GROUPS_PER_BATCH}", "learner.minibatches=1",
+                 "learner.entropy_coef=0.01", "buffer.max_pending=64", f"run.max_steps={STEPS}",
+                 "staleness.max_policy_lag=100", f"parallel.processes={processes}",
+                 "parallel.mesh={data: -1}" if processes > 1 else "parallel.mesh={data: 1}"]
+    config = load("examples/guess_number.yaml", overrides)
+    task = build.build_task(config)
+    graphdef, params = build.init_params(config, task)
+    allowed = task.sampler_settings.allowed_mask(task.dims.vocab_size)
+    buffer = MemoryBuffer(capacity=100, max_pending=64)
+    share = GROUPS_PER_BATCH // processes
+    mine = [make_group(step * GROUPS_PER_BATCH + process_id * share + k, np.flatnonzero(allowed))
+            for step in range(STEPS) for k in range(share)]
+    buffer.put(mine, timeout_s=1)
+    metrics = Metrics()
+    learner = Learner(config, graphdef, params, buffer, MemoryWeightStore(4), metrics,
+                      threading.Event(), allowed_v=allowed)
+    recorded = []
+    finish = learner._finish_step
+
+    def record(step_metrics, elapsed, start, batch):
+        recorded.append({k: float(v) for k, v in step_metrics.items()})
+        finish(step_metrics, elapsed, start, batch)
+
+    learner._finish_step = record
+    learner.publish_start()
+    learner.run()
+    final = learner.state.params
+    final = multihost.host_params(final) if processes > 1 else final
+    if process_id == 0:
+        flat = params_lib.to_host(final)
+        keys = sorted(recorded[0])
+        np.savez(os.path.join(out_dir, "result.npz"),
+                 metrics=np.array([[m[k] for k in keys] for m in recorded]),
+                 metric_names=np.array(keys), **{f"param/{k}": v for k, v in flat.items()})
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
