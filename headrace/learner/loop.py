@@ -118,6 +118,8 @@ class Learner:
         self.tracer = Tracer(trace_path, weights, metrics)
         self._carry: list[Entry] = []  # passed the gate, not yet in a batch (gated again on use)
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learner-wait")
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learner-pub")
+        self._publishing: concurrent.futures.Future | None = None
         compiles.install()
         self.checkpointer = checkpointer
         self.ledger = ledger
@@ -130,29 +132,50 @@ class Learner:
 
     # --- weights -------------------------------------------------------------------------------
 
-    def publish(self) -> None:
-        start, began = time.perf_counter(), time.time()
+    def publish(self, wait: bool = False) -> None:
+        """Publishes the current weights as `self.version`.
+
+        The device-to-host copy happens here (a deliberate sync: the next step donates the
+        state); writing to the store runs on the publisher thread, one version at a time and in
+        order, so a slow store (files, fsync) does not hold up training. `wait`: return once the
+        store holds this version. A failed write is raised by the next publish (or the end).
+        """
+        began = time.time()
         params = self.state.params
         if self.processes > 1:
             params = multihost.host_params(params)  # a collective: every process joins
-        if self.primary:
-            self.weights.publish(params_lib.to_host(params), self.version)
-        self.metrics.observe("weights/publish_s", time.perf_counter() - start)
+        host = params_lib.to_host(params) if self.primary else None
+        self.wait_published()  # the previous version first: versions appear in order
         self.tracer.published(self.version, began)  # actors may load it before publish returns
         self._since_publish = 0
+        if host is not None:
+            self._publishing = self._writer.submit(self._write, host, self.version)
+            if wait:
+                self.wait_published()
+
+    def _write(self, host: dict, version: int) -> None:
+        start = time.perf_counter()
+        self.weights.publish(host, version)
+        self.metrics.observe("weights/publish_s", time.perf_counter() - start)
+
+    def wait_published(self) -> None:
+        """Blocks until the last publish is in the store (re-raising its error)."""
+        if self._publishing is not None:
+            future, self._publishing = self._publishing, None
+            future.result()
 
     def publish_start(self) -> None:
         """Publishes the starting weights unless the store already holds them: version 0 on a
         fresh run; after a resume whose store went past the checkpoint (versions published after
         it, from updates lost with the crash), the restored weights as the next version."""
         if self.processes > 1:  # a fresh multi-process run (no resume yet): all publish v0
-            self.publish()
+            self.publish(wait=True)
             return
         latest = self.weights.latest_version()
         if latest == self.version:
             return
         self.version = max(self.version, latest + 1)
-        self.publish()
+        self.publish(wait=True)
         self.metrics.gauge("learner/version", self.version)
         self._report_state()
 
@@ -247,9 +270,13 @@ class Learner:
                 elif self.checkpointer is None:
                     self._flush_acks()
             finally:
-                self.tracer.close()
-                self._waiter.shutdown(wait=False)
-                self.done.set()
+                try:
+                    self.wait_published()  # the last version is in the store before we end
+                finally:
+                    self._writer.shutdown(wait=False)
+                    self.tracer.close()
+                    self._waiter.shutdown(wait=False)
+                    self.done.set()
 
     def _loop(self) -> None:
         """One learner step per iteration. While the device trains step k, the host gathers and

@@ -70,7 +70,7 @@ def _train(config: Config, run_dir, t0: float, live: bool, buffer) -> dict[str, 
     learner = Learner(config, graphdef, params, buffer, weights, metrics, stop,
                       allowed_v=task.sampler_settings.allowed_mask(task.dims.vocab_size),
                       admission=admission, trace_path=build.trace_path(config, run_dir))
-    learner.publish()  # version 0, before any actor starts
+    learner.publish(wait=True)  # version 0, before any actor starts
     workers = [Worker("learner", learner.run, stop),
                Worker("evaluator", lambda: evaluator.run(stop), stop)]
     for i in range(config.actor.num_actors):
