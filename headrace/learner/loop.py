@@ -181,12 +181,12 @@ class Learner:
 
     def _report_state(self) -> None:
         """Tells admission control where the learner is (version, steps since publish, queue)."""
-        if self.admission is not None and self.primary:
+        if self.admission is not None:  # each learner process reports its own queue
             step_s = self.metrics.distribution("learner/step_s")
-            # Every process reads about as much as this one: the queue ahead is P times it.
             self.admission.learner_update(self.version, self._since_publish,
-                                          (self._queue.qsize() + self._gathered) * self.processes,
-                                          step_s.mean() if step_s is not None else 0.0)
+                                          self._queue.qsize() + self._gathered,
+                                          step_s.mean() if step_s is not None else 0.0,
+                                          host=str(jax.process_index()))
 
     # --- reading -------------------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ devices. For that every process must run the same program on consistent data:
 - **Same objective.** Token weights are normalised over the global minibatch: `Peers.total`
   sums every process's loss-token and trajectory counts before the weights are filled.
 - **One writer.** Process 0 publishes weights (`host_params` gathers the sharded parameters on
-  every process: a collective all must join), reports to admission control and writes traces.
+  every process: a collective all must join) and writes traces; every process reports its own
+  queue to admission control (`learner_update(host=...)`).
 
 Lockstep: every step is a collective, so the processes stop together only on the shared
 conditions (`run.max_steps`, the supervisor stopping them all). Checkpoints are not yet
