@@ -5,6 +5,12 @@ actor's recorded log-probs, `adv` advantages) and returns the per-token loss plu
 diagnostics; aggregation (token mean, sequence mean) is a weight array the batcher computes, so the
 same functions serve gradient accumulation over microbatches. With behaviour == current policy every
 variant has the on-policy policy gradient -A * grad(logp).
+
+Sequence level (`learner.loss.level: sequence`, GSPO, Zheng et al. 2025): every importance ratio is
+the geometric mean of its sequence's token ratios, exp(mean over the sequence's loss tokens of the
+log-ratio), shared by all its tokens; clipping and truncation then act on whole sequences. The
+`level` argument of each loss maps a per-token log-ratio to the log-ratio it uses (the identity at
+token level; `sequence_mean` at sequence level), so one function serves both.
 """
 
 from __future__ import annotations
@@ -25,17 +31,32 @@ def token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array, temperature: fl
     return logp_bt, entropy_bt
 
 
-def no_correction(logp, behaviour, adv, config: LossConfig, prox=None):
+def _token(log_ratio):
+    return log_ratio
+
+
+def sequence_mean(values_bt, segment_ids_bt, on_bt):
+    """Per token, the mean of `values` over the loss tokens (`on`) of its sequence (segment ids
+    restart per row of a packed microbatch; 0 is padding). Differentiable in `values`."""
+    rows, width = values_bt.shape
+    key = (jnp.arange(rows)[:, None] * width + segment_ids_bt).reshape(-1)
+    on = on_bt.reshape(-1).astype(values_bt.dtype)
+    sums = jax.ops.segment_sum(values_bt.reshape(-1) * on, key, num_segments=rows * width)
+    counts = jax.ops.segment_sum(on, key, num_segments=rows * width)
+    return (sums / jnp.maximum(counts, 1.0))[key].reshape(rows, width)
+
+
+def no_correction(logp, behaviour, adv, config: LossConfig, prox=None, level=_token):
     """REINFORCE with a baseline (Williams 1992): ignores that the data may be off-policy."""
-    del behaviour, config, prox
+    del behaviour, config, prox, level
     return -adv * logp, jnp.zeros_like(logp, dtype=bool)
 
 
-def truncated_is(logp, behaviour, adv, config: LossConfig, prox=None):
+def truncated_is(logp, behaviour, adv, config: LossConfig, prox=None, level=_token):
     """Truncated importance weights min(rho, rho_max), stop-gradient (IMPALA, Espeholt et al. 2018;
     TIS as used for LLM RL, Yao et al. 2025)."""
     del prox
-    rho = jnp.exp(logp - behaviour)
+    rho = jnp.exp(level(logp - behaviour))
     weight = jax.lax.stop_gradient(jnp.minimum(rho, config.rho_max))
     return -weight * adv * logp, rho > config.rho_max
 
@@ -49,20 +70,20 @@ def _clipped_surrogate(ratio, adv, config: LossConfig):
     return surrogate, clipped < unclipped
 
 
-def ppo_clip(logp, behaviour, adv, config: LossConfig, prox=None):
+def ppo_clip(logp, behaviour, adv, config: LossConfig, prox=None, level=_token):
     """PPO clipped ratio against the behaviour policy (Schulman et al. 2017), with the dual clip for
     negative advantages (Ye et al. 2020)."""
     del prox
-    surrogate, clipped = _clipped_surrogate(jnp.exp(logp - behaviour), adv, config)
+    surrogate, clipped = _clipped_surrogate(jnp.exp(level(logp - behaviour)), adv, config)
     return -surrogate, clipped
 
 
-def decoupled(logp, behaviour, adv, config: LossConfig, prox=None):
+def decoupled(logp, behaviour, adv, config: LossConfig, prox=None, level=_token):
     """Decoupled PPO (Hilton et al. 2022; AReaL, Fu et al. 2025): the trust region is around a
     proximal policy `prox` (the learner's weights at the start of the step); the behaviour ->
     proximal mismatch is corrected by a truncated, stop-gradient importance weight."""
-    weight = jax.lax.stop_gradient(jnp.minimum(jnp.exp(prox - behaviour), config.rho_max))
-    surrogate, clipped = _clipped_surrogate(jnp.exp(logp - prox), adv, config)
+    weight = jax.lax.stop_gradient(jnp.minimum(jnp.exp(level(prox - behaviour)), config.rho_max))
+    surrogate, clipped = _clipped_surrogate(jnp.exp(level(logp - prox)), adv, config)
     return -weight * surrogate, clipped
 
 

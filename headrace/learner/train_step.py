@@ -20,6 +20,7 @@ in the accumulator while the step's updates run).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -92,7 +93,12 @@ def loss_terms(logp, entropy, mb, config: LearnerConfig, prox_logp=None, ref_log
     """
     policy_loss = losses.LOSSES[config.loss.kind]
     behaviour, adv, weight = (mb[k][:, 1:] for k in ("behaviour_logprobs", "advantages", "weight"))
-    per_token, clipped = policy_loss(logp, behaviour, adv, config.loss, prox=prox_logp)
+    level = None
+    if config.loss.level == "sequence":  # one ratio per sequence, over its loss tokens
+        segments, on = mb["segment_ids"][:, 1:], weight > 0
+        level = functools.partial(losses.sequence_mean, segment_ids_bt=segments, on_bt=on)
+    per_token, clipped = policy_loss(logp, behaviour, adv, config.loss, prox=prox_logp,
+                                     **({"level": level} if level else {}))
     pg_loss = jnp.sum(per_token * weight)
     entropy_mean = jnp.sum(entropy * weight)
     total = pg_loss - config.entropy_coef * entropy_mean

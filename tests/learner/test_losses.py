@@ -1,5 +1,6 @@
 """Losses and advantages against plain Python references; on-policy gradients agree."""
 
+import functools
 import math
 
 import jax
@@ -70,6 +71,106 @@ def test_on_policy_gradient_is_policy_gradient(kind):
     np.testing.assert_allclose(jax.grad(loss)(logits), jax.grad(reinforce)(logits), atol=1e-6)
     if kind in ("ppo_clip", "decoupled"):  # same ratio form: values agree too (ratio = 1)
         np.testing.assert_allclose(loss(logits), (-adv).mean(), atol=1e-6)
+
+
+def packed(seed: int, rows: int = 4, width: int = 12):
+    """A packed microbatch: up to three sequences per row (segment ids 1..), padding 0, a loss
+    mask on some tokens; per-token logp/behaviour/prox and one advantage per sequence."""
+    rng = np.random.default_rng(seed)
+    segments = np.zeros((rows, width), np.int32)
+    for r in range(rows):
+        cuts = np.sort(rng.choice(np.arange(1, width), 3, replace=False))
+        for k, (lo, hi) in enumerate(zip([0, *cuts[:-1]], cuts)):
+            segments[r, lo:hi] = k + 1
+    on = (segments > 0) & (rng.random((rows, width)) < 0.7)
+    logp = -rng.uniform(0.1, 3.0, (rows, width)).astype(np.float32)
+    behaviour = (logp + rng.normal(0, 0.5, (rows, width))).astype(np.float32)
+    prox = (logp + rng.normal(0, 0.2, (rows, width))).astype(np.float32)
+    adv = rng.normal(0, 1, (rows, width)).astype(np.float32)
+    for r in range(rows):  # the advantage is the sequence's
+        for k in range(1, 4):
+            adv[r, segments[r] == k] = adv[r, segments[r] == k][:1].sum()
+    return segments, on, logp, behaviour, prox, adv
+
+
+def reference_sequence_loss(kind, segments, on, logp, behaviour, adv, prox):
+    """Per token, with every ratio the geometric mean over its sequence's loss tokens (GSPO)."""
+    out = np.zeros_like(logp)
+    for r in range(logp.shape[0]):
+        for k in set(segments[r].tolist()) - {0}:
+            cols = np.flatnonzero(segments[r] == k)
+            mask = on[r, cols]
+
+            def seq_log_ratio(x, y):
+                return float(np.mean((x - y)[r, cols][mask])) if mask.any() else 0.0
+
+            for c in cols:
+                lp, a = logp[r, c], adv[r, c]
+                if kind == "none":
+                    out[r, c] = -a * lp
+                elif kind == "truncated_is":
+                    out[r, c] = -min(math.exp(seq_log_ratio(logp, behaviour)), CFG.rho_max) * a * lp
+                else:
+                    ratio = math.exp(seq_log_ratio(logp, behaviour if kind == "ppo_clip" else prox))
+                    clipped = min(max(ratio, 1 - CFG.clip_eps), 1 + CFG.clip_eps)
+                    surrogate = min(ratio * a, clipped * a)
+                    if a < 0:
+                        surrogate = max(surrogate, CFG.dual_clip * a)
+                    weight = 1.0 if kind == "ppo_clip" else min(
+                        math.exp(seq_log_ratio(prox, behaviour)), CFG.rho_max)
+                    out[r, c] = -weight * surrogate
+    return out
+
+
+def test_sequence_mean_matches_a_loop():
+    segments, on, logp, *_ = packed(3)
+    got = np.asarray(losses.sequence_mean(jnp.asarray(logp), jnp.asarray(segments),
+                                          jnp.asarray(on)))
+    for r in range(logp.shape[0]):
+        for c in range(logp.shape[1]):
+            same = (segments[r] == segments[r, c]) & on[r]
+            want = logp[r][same].mean() if same.any() else 0.0
+            assert got[r, c] == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["none", "truncated_is", "ppo_clip", "decoupled"])
+def test_sequence_level_loss_matches_python_reference(kind):
+    segments, on, logp, behaviour, prox, adv = packed(4)
+    level = functools.partial(losses.sequence_mean, segment_ids_bt=jnp.asarray(segments),
+                              on_bt=jnp.asarray(on))
+    got, _ = losses.LOSSES[kind](jnp.asarray(logp), jnp.asarray(behaviour), jnp.asarray(adv), CFG,
+                                 prox=jnp.asarray(prox), level=level)
+    want = reference_sequence_loss(kind, segments, on, logp, behaviour, adv, prox)
+    np.testing.assert_allclose(np.where(segments > 0, np.asarray(got), 0), np.where(
+        segments > 0, want, 0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["truncated_is", "ppo_clip", "decoupled"])
+def test_sequence_level_on_policy_gradient_is_the_token_level_one(kind):
+    """On-policy, a sequence's ratio is 1 and its gradient the mean of its tokens' grad logp: with
+    token-mean weights (equal per loss token) the gradient is REINFORCE's."""
+    segments, on, _, _, _, adv = packed(5)
+    rng = np.random.default_rng(6)
+    logits = jnp.asarray(rng.normal(size=(*segments.shape, 8)).astype(np.float32))
+    actions = jnp.asarray(rng.integers(0, 8, segments.shape))
+    weight = jnp.asarray(on / on.sum(), jnp.float32)
+    level = functools.partial(losses.sequence_mean, segment_ids_bt=jnp.asarray(segments),
+                              on_bt=jnp.asarray(on))
+
+    def logp_of(z):
+        return jnp.take_along_axis(jax.nn.log_softmax(z), actions[..., None], -1)[..., 0]
+
+    behaviour = jax.lax.stop_gradient(logp_of(logits))
+
+    def loss(z):
+        per_token, _ = losses.LOSSES[kind](logp_of(z), behaviour, jnp.asarray(adv), CFG,
+                                           prox=behaviour, level=level)
+        return jnp.sum(per_token * weight)
+
+    def reinforce(z):
+        return jnp.sum(-jnp.asarray(adv) * logp_of(z) * weight)
+
+    np.testing.assert_allclose(jax.grad(loss)(logits), jax.grad(reinforce)(logits), atol=1e-6)
 
 
 def test_importance_stats():
