@@ -103,9 +103,14 @@ class Actor:
         heartbeat = Heartbeat(self.admission, self.actor_id) if self.admission else None
         if heartbeat is not None:
             heartbeat.start()
+        cpu_at, wall_at = time.process_time(), time.monotonic()
         try:
             while not self.stop.is_set():
                 await asyncio.sleep(0.05)
+                if time.monotonic() - wall_at >= 2.0:  # this process's CPU use (audit sizing)
+                    cpu, wall = time.process_time(), time.monotonic()
+                    self.metrics.gauge("actor/cpu_frac", (cpu - cpu_at) / (wall - wall_at))
+                    cpu_at, wall_at = cpu, wall
         finally:
             if heartbeat is not None:
                 heartbeat.stop()

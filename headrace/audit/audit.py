@@ -62,6 +62,7 @@ class Measured:
     groups_put: float  # groups written over the window (all actors)
     put_s: float
     publish_s: float
+    cpu_frac: float  # CPU an actor process used (cores), when actors are processes; 0: unknown
 
     @property
     def group_size(self) -> int:
@@ -135,7 +136,9 @@ def read_run(run_dir: str | pathlib.Path) -> Measured:
         lag_mean=float(np.mean(lags)) if lags else 0.0,
         window_s=window, groups_put=put / config.actor.group_size,
         put_s=float(last.get("actor/put_s_p50", 0.0)),
-        publish_s=float(last.get("weights/publish_s_p50", 0.0)))
+        publish_s=float(last.get("weights/publish_s_p50", 0.0)),
+        cpu_frac=(float(np.median([r["actor/cpu_frac"] for r in trained if "actor/cpu_frac" in r]
+                                  or [0.0])) if config.run.launcher == "processes" else 0.0))
 
 
 def fit_inference(calls: np.ndarray) -> tuple[float, float]:
@@ -178,15 +181,28 @@ def sim_spec(m: Measured, actors: int, envs_per_actor: int, duration_s: float) -
 
 
 def envs_cap(m: Measured) -> int:
-    """Most environments one actor serves before its sampler is SAMPLER_BUSY_MAX busy."""
+    """Most environments one actor serves before its sampler is SAMPLER_BUSY_MAX busy, or (actor
+    processes) before the process uses SAMPLER_BUSY_MAX of a core: CPU grows with its episodes."""
     fixed_s, per_row_s = fit_inference(m.calls)
     turn_s = float(np.mean(m.spans.get("env_step", [0.0]))) + float(
         np.mean(m.spans.get("inference", [0.0])))
     g = m.group_size
-    if per_row_s <= 0:
-        return max(g, m.config.actor.max_batch // g * g)
-    cap = (SAMPLER_BUSY_MAX * turn_s - fixed_s) / per_row_s
-    return max(g, int(min(cap, m.config.actor.max_batch)) // g * g)
+    cap = float(m.config.actor.max_batch)
+    if per_row_s > 0:
+        cap = min(cap, (SAMPLER_BUSY_MAX * turn_s - fixed_s) / per_row_s)
+    if m.cpu_frac > 0.05:
+        cap = min(cap, m.config.actor.envs_per_actor * SAMPLER_BUSY_MAX / m.cpu_frac)
+    return max(g, int(cap) // g * g)
+
+
+def actor_cores(config: Config) -> int:
+    """Cores the actor processes can use on this machine (`run.actor_cpus`, else those the
+    learner's pinning leaves)."""
+    import os
+
+    if config.run.actor_cpus:
+        return len(config.run.actor_cpus)
+    return max(1, len(os.sched_getaffinity(0)) - len(config.run.learner_cpus))
 
 
 def split_pool(total_envs: int, cap: int, group_size: int) -> tuple[int, int]:
@@ -228,10 +244,14 @@ def recommend(m: Measured, *, target: float, headroom: float, duration_s: float)
                        "staleness_lag_max": report["staleness_lag_max"],
                        "drop_rate": report["drop_rate"]})
     limit = m.config.staleness.max_policy_lag
-    good = [p for p in points if p["learner_utilization"] >= target
+    cores = actor_cores(m.config) if m.cpu_frac > 0.05 else None
+    for p in points:  # actor processes beyond the cores only share them: no more throughput
+        p["fits_cores"] = cores is None or p["actors"] <= cores
+    good = [p for p in points if p["learner_utilization"] >= target and p["fits_cores"]
             and (p["staleness_lag_mean"] or 0) <= limit]
-    choice = good[0] if good else max(points, key=lambda p: p["learner_utilization"])
-    return {"little": law, "envs_per_actor_cap": cap, "sweep": points,
+    fitting = [p for p in points if p["fits_cores"]] or points[:1]
+    choice = good[0] if good else max(fitting, key=lambda p: p["learner_utilization"])
+    return {"little": law, "envs_per_actor_cap": cap, "actor_cores": cores, "sweep": points,
             "actors": choice["actors"], "envs_per_actor": choice["envs_per_actor"],
             "predicted_utilization": choice["learner_utilization"],
             "predicted_lag_mean": choice["staleness_lag_mean"], "reached": bool(good)}
@@ -252,6 +272,9 @@ def bottleneck(m: Measured, target: float) -> tuple[str, str]:
     if buffer_s > 0.1 * mean.get("generate", episode_s):
         return "buffer", (f"a put takes {buffer_s:.3f} s, over 10 % of the group latency "
                           f"{mean.get('generate', episode_s):.3f} s")
+    if m.cpu_frac >= SAMPLER_BUSY_MAX:
+        return "actor CPU", (f"an actor process used {m.cpu_frac:.2f} cores; more environments "
+                             "per actor would only queue: add actor cores")
     if sync_s > float(np.mean(m.step_s)):
         return "weight sync", (f"publish + pickup {sync_s:.3f} s exceed a learner step "
                                f"{np.mean(m.step_s):.3f} s")
