@@ -26,6 +26,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a config key, e.g. --set learner.optimizer.lr=3e-4")
     train.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     train.add_argument("--no-live", action="store_true", help="no live terminal view")
+    sft = sub.add_parser("sft", help="supervised warm-up on demonstrations (see headrace.sft)")
+    sft.add_argument("config", help="YAML config (its sft section; see examples/)")
+    sft.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key, e.g. --set sft.steps=200")
+    sft.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     bench = sub.add_parser("bench", help="run a benchmark (benchmarks/NAME.py)")
     bench.add_argument("name")
     bench.add_argument("args", nargs=argparse.REMAINDER)
@@ -73,6 +78,24 @@ def _train(args) -> int:
     return 1 if summary["errors"] else 0
 
 
+def _sft(args) -> int:
+    from headrace import sft
+    from headrace.config import ConfigError, load
+    from headrace.env.base import EnvError
+
+    try:
+        summary = sft.run(load(args.config, args.set))
+    except (ConfigError, EnvError, sft.SftError) as error:
+        return _fail(str(error))
+    if args.json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "eval_curve"}))
+    else:
+        for key in ("demos", "steps", "final_loss", "initial_success_rate", "final_success_rate",
+                    "wall_s", "run_dir"):
+            print(f"{key:>22}: {summary[key]}", file=sys.stderr)
+    return 0
+
+
 def _bench(args) -> int:
     path = BENCHMARKS / f"{args.name}.py"
     if not path.exists():
@@ -116,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
-    handlers = {"train": _train, "bench": _bench, "simulate": _simulate, "audit": _audit}
+    handlers = {"train": _train, "sft": _sft, "bench": _bench, "simulate": _simulate,
+                "audit": _audit}
     return handlers[args.command](args)
 
 

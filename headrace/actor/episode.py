@@ -18,7 +18,8 @@ from headrace.env.base import Env
 from headrace.metrics.core import Metrics
 from headrace.model.sampler import PromptTooLong
 from headrace.text.episode import EpisodeBuilder
-from headrace.text.tokenizers import BOS, Tokenizer
+from headrace.text.template import EpisodeRenderer
+from headrace.text.tokenizers import Tokenizer
 from headrace.types import STATUS_ERROR, STATUS_OK, STATUS_TRUNCATED
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,12 @@ def trace_timings(calls: list[tuple[float, float, float, int]],
 async def run_episode(env: Env, seed: int, policy: BatchedPolicy, tokenizer: Tokenizer,
                       metrics: Metrics, step_timeout_s: float,
                       trace: bool = False) -> EpisodeResult:
-    """Plays one episode; with `trace`, its timings also hold every turn's stamps."""
-    builder = EpisodeBuilder()
+    """Plays one episode; with `trace`, its timings also hold every turn's stamps.
+
+    Turns are rendered with the chat template the tokenizer carries (`headrace.text.template`):
+    the sampler is given `renderer.prompt()` and its tokens are recorded verbatim.
+    """
+    renderer = EpisodeRenderer(tokenizer)
     timings = {"started": time.time()}
     calls: list | None = [] if trace else None
     steps: list[tuple[float, float]] = []
@@ -71,10 +76,10 @@ async def run_episode(env: Env, seed: int, policy: BatchedPolicy, tokenizer: Tok
     with policy.episode():
         try:
             obs, _ = await asyncio.to_thread(env.reset, seed) if env.blocking else env.reset(seed)
-            builder.add_observation([BOS, *tokenizer.encode(obs)], role="user")
+            renderer.add_observation(obs, first=True)
             for _ in range(env.spec.max_turns):
-                tokens, logps, version = await policy.act(builder.context(), calls)
-                builder.add_generated(tokens, logps, version)
+                tokens, logps, version = await policy.act(renderer.prompt(), calls)
+                renderer.add_generated(tokens, logps, version)
                 start, started_at = time.perf_counter(), time.time()
                 action = tokenizer.decode(tokens)
                 if inline:  # microseconds of pure Python: nothing to wait for or time out
@@ -87,14 +92,14 @@ async def run_episode(env: Env, seed: int, policy: BatchedPolicy, tokenizer: Tok
                 if trace:
                     steps.append((started_at, time.time()))
                 reward += r
-                builder.reward_last_turn(r)
+                renderer.builder.reward_last_turn(r)
                 success = bool(info.get("success", r > 0)) if terminated else False
                 if info.get("invalid_action"):
                     metrics.count("env/invalid_actions")
                 if terminated or truncated:
                     status = STATUS_TRUNCATED if truncated and not terminated else STATUS_OK
                     break
-                builder.add_observation(tokenizer.encode(obs), role="user")
+                renderer.add_observation(obs)
             else:
                 status = STATUS_TRUNCATED
         except PromptTooLong as exc:
@@ -112,4 +117,4 @@ async def run_episode(env: Env, seed: int, policy: BatchedPolicy, tokenizer: Tok
     timings["finished"] = time.time()
     if trace:
         timings |= trace_timings(calls, steps)
-    return EpisodeResult(builder, reward, success, status, error, timings)
+    return EpisodeResult(renderer.builder, reward, success, status, error, timings)

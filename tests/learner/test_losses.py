@@ -101,7 +101,7 @@ def reference_sequence_loss(kind, segments, on, logp, behaviour, adv, prox):
             cols = np.flatnonzero(segments[r] == k)
             mask = on[r, cols]
 
-            def seq_log_ratio(x, y):
+            def seq_log_ratio(x, y, r=r, cols=cols, mask=mask):
                 return float(np.mean((x - y)[r, cols][mask])) if mask.any() else 0.0
 
             for c in cols:
