@@ -314,11 +314,26 @@ class ToolClient:
 
 # ---------------------------------------------------------------------------------- environment
 
+_LOCAL: CalculatorService | None = None
+_LOCAL_LOCK = threading.Lock()
+
+
+def local_service() -> CalculatorService:
+    """This process's own loopback service (`url: auto`), started on first use; it serves on its
+    daemon thread until the process ends."""
+    global _LOCAL
+    with _LOCAL_LOCK:
+        if _LOCAL is None:
+            _LOCAL = CalculatorService().start()
+        return _LOCAL
+
+
 class HttpCalculator(ToolCalculator):
     """tool_calculator whose tool is the HTTP service at `url` (see the module docstring).
 
     Args:
-      url: the service, e.g. `CalculatorService().start().url`.
+      url: the service, e.g. `CalculatorService().start().url`; `auto`: a loopback service this
+        process starts on first use and shares between its environments (`local_service`).
       timeout_s, retries, backoff_s, backoff_max_s: the client's (see `ToolClient`).
       on_failure: "observe" (an error observation) or "raise" (`ToolUnavailable`) when every
         attempt failed.
@@ -337,6 +352,8 @@ class HttpCalculator(ToolCalculator):
         super().__init__(**kwargs)
         if on_failure not in ("observe", "raise"):
             raise EnvError(f"http_tool: on_failure={on_failure!r} must be 'observe' or 'raise'")
+        if url == "auto":
+            url = local_service().url
         self.client = ToolClient(url, timeout_s, retries, backoff_s, backoff_max_s)
         self.on_failure = on_failure
 

@@ -1,8 +1,9 @@
 """Every example config runs with `headrace train` through the multi-process runtime (a few steps).
 
 Each run is the example as a user would start it, shrunk with --set (two learner steps, one
-group in flight, no periodic evaluation). http_tool gets a calculator service on loopback, started
-and stopped here; python_exec is skipped, with the reason, where the sandbox refuses to start.
+group in flight, no periodic evaluation). http_tool runs as it is (`url: auto`: each process starts
+its own loopback service); python_exec is skipped, with the reason, where the sandbox refuses to
+start.
 """
 
 import json
@@ -20,17 +21,6 @@ SMALL = ["--set", "run.max_steps=2", "--set", "run.eval_every=0", "--set", "run.
          "--set", "learner.groups_per_batch=1", "--set", "learner.minibatches=1"]
 
 
-@pytest.fixture
-def calculator_url():
-    from headrace.env.http_tool import CalculatorService
-
-    service = CalculatorService().start()
-    try:
-        yield service.url
-    finally:
-        service.stop()
-
-
 def test_every_builtin_environment_has_an_example():
     from headrace.env.registry import BUILTINS
 
@@ -41,10 +31,8 @@ def test_every_builtin_environment_has_an_example():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("example", EXAMPLES)
-def test_example_trains_through_processes(example, tmp_path, request):
+def test_example_trains_through_processes(example, tmp_path):
     extra = []
-    if example == "http_tool":
-        extra = ["--set", f"env.kwargs.url={request.getfixturevalue('calculator_url')}"]
     if example == "python_exec":
         from headrace.env.sandbox import SandboxUnavailable, probe
 
