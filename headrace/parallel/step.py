@@ -259,3 +259,20 @@ def learner_step(config: Config, graphdef, optimizer: optax.GradientTransformati
                             rules=config.parallel.rules,
                             max_replicated_share=config.parallel.max_replicated_share)
     return step, row_shards(mesh) // jax.process_count()  # this process's rows
+
+
+def check_mesh(config: Config, dims: ModelDims) -> None:
+    """Refuses, before any process starts, a `parallel.mesh` this machine's devices or the model
+    cannot take (the learner process would otherwise fail alone). Shapes only: nothing is built.
+
+    Raises:
+      ConfigError: the mesh does not fit the devices, or leaves too much of the model replicated.
+    """
+    if not config.parallel.sharded or config.parallel.processes > 1:
+        return  # several processes: the devices are theirs, checked when they start
+    mesh = make_mesh(config.parallel.mesh)
+    if mesh.size == 1:
+        return
+    abstract = jax.eval_shape(lambda: params_lib.init(dims, 0)[1])
+    plan = rules_lib.plan_params(abstract, mesh, config.parallel.rules)
+    rules_lib.replication_report(plan, mesh, config.parallel.max_replicated_share)

@@ -138,6 +138,9 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
     if config.buffer.backend != "redis" or config.weights.backend != "dir":
         config = config_lib.replace(config, buffer={"backend": "redis"},
                                     weights={"backend": "dir"})
+    from headrace.parallel.step import check_mesh
+
+    check_mesh(config, build.build_task(config).dims)  # in the learner process it would fail alone
     if resume_dir is None:
         resume.check_new_run_dir(config)
         run_dir = build.make_run_dir(config)
