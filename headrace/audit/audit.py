@@ -190,7 +190,7 @@ def envs_cap(m: Measured) -> int:
     cap = float(m.config.actor.max_batch)
     if per_row_s > 0:
         cap = min(cap, (SAMPLER_BUSY_MAX * turn_s - fixed_s) / per_row_s)
-    if m.cpu_frac > 0.05:
+    if m.cpu_frac > 0:
         cap = min(cap, m.config.actor.envs_per_actor * SAMPLER_BUSY_MAX / m.cpu_frac)
     return max(g, int(cap) // g * g)
 
@@ -232,9 +232,12 @@ def recommend(m: Measured, *, target: float, headroom: float, duration_s: float)
     law = little(m, headroom)
     cap = envs_cap(m)
     g = m.group_size
-    candidates = sorted({split_pool(int(law["envs_needed"] * f), cap, g)
-                         for f in (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)},
-                        key=lambda p: p[0] * p[1])
+    cores = actor_cores(m.config) if m.cpu_frac > 0 else None
+    pools = {split_pool(int(law["envs_needed"] * f), cap, g)
+             for f in (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)}
+    if cores is not None:  # the largest pool the actor cores can run is always a candidate
+        pools.add(split_pool(min(cores * cap, int(law["envs_needed"])), cap, g))
+    candidates = sorted(pools, key=lambda p: p[0] * p[1])
     points = []
     for actors, per in candidates:
         report = predict(m, actors, per, duration_s)
@@ -244,7 +247,6 @@ def recommend(m: Measured, *, target: float, headroom: float, duration_s: float)
                        "staleness_lag_max": report["staleness_lag_max"],
                        "drop_rate": report["drop_rate"]})
     limit = m.config.staleness.max_policy_lag
-    cores = actor_cores(m.config) if m.cpu_frac > 0.05 else None
     for p in points:  # actor processes beyond the cores only share them: no more throughput
         p["fits_cores"] = cores is None or p["actors"] <= cores
     good = [p for p in points if p["learner_utilization"] >= target and p["fits_cores"]
