@@ -506,6 +506,23 @@ def read_tree(path: str | pathlib.Path | None, overrides: typing.Sequence[str] =
     return tree
 
 
+def import_object(key: str, spec: str, error: type[Exception] = ConfigError) -> Any:
+    """The object `module:NAME` names (a user's plug-in: environment class, chat template).
+
+    Raises:
+      error: `spec` is not module:NAME, or the module cannot be imported; the message names `key`.
+      AttributeError is not raised: a missing NAME gives None, for the caller to check the type.
+    """
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise error(f"{key}={spec!r}: cannot import {module_name} ({exc})") from None
+    return getattr(module, attr, None)
+
+
 def load(path: str | pathlib.Path | None = None, overrides: typing.Sequence[str] = (),
          data: dict | None = None) -> Config:
     """Builds a Config from a YAML file (or a dict) plus `section.key=value` overrides.

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
 
-from headrace.config import EnvConfig
+from headrace.config import EnvConfig, import_object
 from headrace.env.base import Env, EnvError
 from headrace.env.latency import LatencySampler, LatencyWrapper
 
@@ -31,11 +30,7 @@ def resolve(name: str) -> type[Env]:
         raise EnvError(f"env.name={name!r}: not a built-in ({', '.join(sorted(BUILTINS))}) "
                        "and not of the form module:Class")
     module_name, _, class_name = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise EnvError(f"env.name={name!r}: cannot import {module_name} ({error})") from None
-    cls = getattr(module, class_name, None)
+    cls = import_object("env.name", target, EnvError)
     if not (inspect.isclass(cls) and issubclass(cls, Env)):
         raise EnvError(f"env.name={name!r}: {class_name} in {module_name} is not an "
                        "headrace.env.Env subclass")

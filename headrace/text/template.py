@@ -36,10 +36,9 @@ instance named as `module:NAME` in `text.template`.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Sequence
 
-from headrace.config import ConfigError, TextConfig
+from headrace.config import ConfigError, TextConfig, import_object
 from headrace.text.episode import EpisodeBuilder
 from headrace.text.tokenizers import BOS, EOS, Tokenizer, TokenizerError, for_vocabulary
 from headrace.types import ROLES
@@ -89,12 +88,7 @@ def resolve(name: str) -> ChatTemplate:
         raise ConfigError(f"text.template={name!r}: not a built-in ({', '.join(TEMPLATES)}) and "
                           "not of the form module:NAME")
     module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ConfigError(f"text.template={name!r}: cannot import {module_name} "
-                          f"({error})") from None
-    template = getattr(module, attr, None)
+    template = import_object("text.template", name)
     if not isinstance(template, ChatTemplate):
         raise ConfigError(f"text.template={name!r}: {attr} in {module_name} is not a "
                           "headrace.text.template.ChatTemplate")
