@@ -23,6 +23,8 @@ trained twice. When every pending entry the buffer allows is already handled but
 Without a checkpointer, or with `checkpoint_every` = 0, entries are acknowledged right after their
 step (a crash then loses them); a checkpointer still saves at the end. A ledger, when given,
 records every entry handled and is made durable before each save (`headrace.runtime.resume`).
+Several learner processes (`parallel.processes`) save each checkpoint together, and process 0
+writes metadata holding every process's entries and counters (`headrace.parallel.multihost`).
 
 Stopping: `stop` ends both threads; the learner publishes its last weights and, when it stopped
 cleanly, saves a final checkpoint and acknowledges everything it handled. After an error nothing
@@ -31,6 +33,7 @@ more is acknowledged (the entries come back to a resumed learner).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import pathlib
@@ -101,8 +104,9 @@ class Learner:
         if isinstance(self._train_step, ShardedTrainStep):
             self.state = self._train_step.place(self.state)
         self.gate = StalenessGate(config.staleness, metrics)
+        self.peers = multihost.Peers() if self.processes > 1 else None
         self.batcher = Batcher(lc, config.shapes, metrics, row_multiple=row_multiple,
-                               peers=multihost.Peers() if self.processes > 1 else None)
+                               peers=self.peers)
         self.step = 0
         self.version = 0
         self._since_publish = 0
@@ -117,6 +121,7 @@ class Learner:
         self.done = threading.Event()
         self.tracer = Tracer(trace_path, weights, metrics)
         self._carry: list[Entry] = []  # passed the gate, not yet in a batch (gated again on use)
+        self._wants_checkpoint = False  # several processes: put to the vote at the next step
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learner-wait")
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learner-pub")
         self._publishing: concurrent.futures.Future | None = None
@@ -168,10 +173,9 @@ class Learner:
         """Publishes the starting weights unless the store already holds them: version 0 on a
         fresh run; after a resume whose store went past the checkpoint (versions published after
         it, from updates lost with the crash), the restored weights as the next version."""
-        if self.processes > 1:  # a fresh multi-process run (no resume yet): all publish v0
-            self.publish(wait=True)
-            return
         latest = self.weights.latest_version()
+        if self.peers is not None:  # every process takes the same branch (publish is collective)
+            latest = int(self.peers.gather(np.array([latest])).max())
         if latest == self.version:
             return
         self.version = max(self.version, latest + 1)
@@ -241,7 +245,12 @@ class Learner:
                     return None
                 held = len(self._unacked) + len(entries) + self._queue.qsize()
                 if self._unacked and held >= self.config.buffer.max_pending:
-                    self._acknowledge(early=True)  # the buffer hands out nothing more until then
+                    # The buffer hands out nothing more until these are acknowledged.
+                    if self.peers is not None and self._periodic:  # a collective: put to vote
+                        self._wants_checkpoint = True
+                        self._carry = entries
+                        return None
+                    self._acknowledge(early=True)
                 continue
             if self._admit(entry, version):
                 entries.append(entry)
@@ -281,22 +290,32 @@ class Learner:
     def _loop(self) -> None:
         """One learner step per iteration. While the device trains step k, the host gathers and
         builds step k+1's batch from what is already queued (gated at the version k+1 will be
-        trained at: one more when step k publishes), so batch building leaves the critical path."""
+        trained at: one more when step k publishes), so batch building leaves the critical path.
+
+        Several processes: every collective (the vote, the batch's shape agreement, the step,
+        publishing, checkpoints) runs in the same order on every process, so a batch gathered
+        ahead is built at the next step's start, after the vote."""
         run, lc = self.config.run, self.config.learner
-        ahead = None  # (entries, batch) of the next step, built while the previous one trained
-        while not self.stop.is_set():
+        ahead = None  # (entries, batch or None) of the next step, gathered while one trained
+        while self.peers is not None or not self.stop.is_set():
             if run.max_steps and self.step >= run.max_steps:
                 return
             if ahead is None:
                 wait_start = time.perf_counter()
-                entries = self._gather(self.version)
-                if entries is None:
-                    return
-                self.metrics.observe("learner/wait_data_s", time.perf_counter() - wait_start)
-                batch = self._build(entries)
+                entries, batch = self._gather(self.version), None
+                waited = time.perf_counter() - wait_start
             else:
-                (entries, batch), ahead = ahead, None
-                self.metrics.observe("learner/wait_data_s", 0.0)
+                (entries, batch), ahead, waited = ahead, None, 0.0
+            decision = self._decide(entries)
+            if decision != "train":
+                self._carry = (entries or []) + self._carry
+                if decision == "stop":
+                    return
+                self._checkpoint()  # early: handled entries fill what the buffer may hand out
+                continue
+            self.metrics.observe("learner/wait_data_s", waited)
+            if batch is None:
+                batch = self._build(entries)
             self._record_staleness(entries)  # lag against self.version: the train version
             self._in_training = len(entries)
             started, compiled = time.time(), compiles.compiles("train_step")
@@ -310,7 +329,7 @@ class Learner:
                 next_version = self.version + (self._since_publish + 1) // lc.publish_every
                 upcoming = self._gather(next_version, block=False)
                 if upcoming is not None:
-                    ahead = upcoming, self._build(upcoming)
+                    ahead = upcoming, self._build(upcoming) if self.peers is None else None
             step_metrics, finished = done.result()
             self._finish_step(step_metrics, finished - start, start, batch)
             self.tracer.trained(entries, started, time.time(), self.version, self.step,
@@ -329,6 +348,20 @@ class Learner:
                 self._acknowledge()
         if ahead is not None:  # stopping: built but not trained; gated again if ever used
             self._carry = ahead[0] + self._carry
+
+    def _decide(self, entries: list[Entry] | None) -> str:
+        """What to do with a gathered batch: "train", "stop" or "checkpoint". One process stops
+        when `_gather` found nothing (stopping); several decide together, by vote."""
+        if self.peers is None:
+            return "train" if entries is not None else "stop"
+        stopping, checkpoint = self.peers.vote(self.stop.is_set(), self._wants_checkpoint)
+        self._wants_checkpoint = False
+        if stopping:
+            return "stop"
+        if checkpoint:
+            log.info("checkpointing early: handled entries wait for acknowledgement")
+            return "checkpoint"
+        return "train"
 
     def _build(self, entries: list[Entry]):
         with self.metrics.timer("learner/batch_s"):
@@ -377,9 +410,14 @@ class Learner:
         if self.ledger is not None:
             self.ledger.record(kind, entries, self.step, reason)
 
+    @property
+    def _periodic(self) -> bool:
+        """Whether entries wait for a periodic checkpoint before they are acknowledged."""
+        return self.checkpointer is not None and bool(self.config.run.checkpoint_every)
+
     def _acknowledge(self, early: bool = False) -> None:
         """Acknowledges after a checkpoint when checkpoints are periodic, else right away."""
-        if self.checkpointer is not None and self.config.run.checkpoint_every:
+        if self._periodic:
             if early:
                 log.info("checkpointing early: %d handled entries wait for acknowledgement",
                          len(self._unacked))
@@ -397,9 +435,11 @@ class Learner:
         if self.checkpointer is None:
             self._flush_acks()
             return
-        if not self._unacked and self._checkpoint_key is not None \
-                and self.step == self._checkpoint_step:
-            return
+        if self._checkpoint_key is not None and self.step == self._checkpoint_step:
+            (handled,) = (bool(self._unacked),) if self.peers is None else \
+                self.peers.vote(bool(self._unacked))  # every process saves, or none
+            if not handled:
+                return
         start = time.perf_counter()
         key = self.step
         if self._checkpoint_key is not None:
@@ -410,7 +450,15 @@ class Learner:
         metadata = {"learner_step": self.step, "weights_version": self.version,
                     "since_publish": self._since_publish, "unacked": list(self._unacked),
                     "counters": counters, "time": time.time()}
-        self.checkpointer.save(key, self.state, metadata)  # blocks until complete on disk
+        if self.peers is not None:  # process 0 writes the metadata: every process's part in it
+            hosts = self.peers.gather_json({"unacked": metadata["unacked"],
+                                            "counters": counters})
+            metadata["hosts"] = hosts
+            metadata["unacked"] = [i for host in hosts for i in host["unacked"]]
+            metadata["counters"] = dict(sum((collections.Counter(h["counters"]) for h in hosts),
+                                            collections.Counter()))
+        # Every process joins (each writes its shards); blocks until complete on disk.
+        self.checkpointer.save(key, self.state, metadata)
         self._checkpoint_key, self._checkpoint_step = key, self.step
         self._flush_acks()
         self.metrics.observe("learner/checkpoint_s", time.perf_counter() - start)
@@ -426,8 +474,13 @@ class Learner:
         self.step = int(metadata["learner_step"])
         self.version = int(metadata["weights_version"])
         self._since_publish = int(metadata["since_publish"])
-        self.trained_ids = set(metadata["unacked"])  # skipped if redelivered
-        for name, value in metadata["counters"].items():
+        self.trained_ids = set(metadata["unacked"])  # every process's: skipped if redelivered
+        hosts = metadata.get("hosts")
+        if hosts is not None and len(hosts) == self.processes:
+            counters = hosts[jax.process_index()]["counters"]
+        else:  # written by another number of processes: process 0 carries the totals
+            counters = metadata["counters"] if self.primary else {}
+        for name, value in counters.items():
             self.metrics.count(name, value)
         self._checkpoint_key, self._checkpoint_step = key, self.step
         self.metrics.gauge("learner/step", self.step)

@@ -15,14 +15,19 @@ devices. For that every process must run the same program on consistent data:
   every process: a collective all must join) and writes traces; every process reports its own
   queue to admission control (`learner_update(host=...)`).
 
-Lockstep: every step is a collective, so the processes stop together only on the shared
-conditions (`run.max_steps`, the supervisor stopping them all). Checkpoints are not yet
-multi-process (`check`).
+- **One decision.** Every step is a collective, so anything that changes what a process does
+  next is decided together: before building each step's batch every process votes (`Peers.vote`)
+  whether it is stopping or needs a checkpoint (its pending entries fill `buffer.max_pending`),
+  and all act on the union of the votes at the same step boundary.
+- **Checkpoints.** Every process joins each save (Orbax writes each array shard from the process
+  that owns it); process 0 alone writes the metadata, which holds every process's bookkeeping
+  (`Peers.gather_json`): its unacknowledged entries and counters.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import socket
 from collections.abc import Sequence
 
@@ -54,10 +59,9 @@ def check(config: Config) -> None:
         raise ConfigError(f"learner.groups_per_batch={lc.groups_per_batch}: must divide by "
                           f"parallel.processes x learner.minibatches = {p * lc.minibatches} "
                           "(every process brings its share of every minibatch)")
-    if config.run.checkpoint_every:
-        raise ConfigError(f"run.checkpoint_every={config.run.checkpoint_every}: checkpoints of "
-                          f"a multi-process learner (parallel.processes={p}) are not built yet; "
-                          "set it to 0")
+    if config.run.ledger:
+        raise ConfigError(f"run.ledger=true: the ledger records one learner process; with "
+                          f"parallel.processes={p} set run.ledger=false")
 
 
 def initialize(coordinator: str, processes: int, process_id: int) -> None:
@@ -68,6 +72,9 @@ def initialize(coordinator: str, processes: int, process_id: int) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except AttributeError:  # an older or newer JAX without the option: its default
         pass
+    # SIGTERM is the supervisor's "stop" (the worker's handler sets the stop event); JAX's
+    # preemption service would take the signal for itself and the learners would never stop.
+    jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(coordinator, processes, process_id)
 
 
@@ -113,3 +120,15 @@ class Peers:
                 table[i, j] = rows, width
         agreed = self.gather(table).max(axis=0)
         return [[(int(r), int(w)) for r, w in row if r and w] for row in agreed]
+
+    def vote(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag OR-ed over every process (every process must call it at the same point)."""
+        return tuple(bool(f) for f in self.gather(np.array(flags, np.int32)).any(axis=0))
+
+    def gather_json(self, value) -> list:
+        """Every process's JSON-able `value`, in process order."""
+        data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+        size = int(self.gather(np.array([data.size])).max())
+        padded = np.zeros(size, np.uint8)
+        padded[:data.size] = data
+        return [json.loads(bytes(row).rstrip(b"\0")) for row in self.gather(padded)]

@@ -35,6 +35,7 @@ import pathlib
 import time
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
@@ -139,6 +140,12 @@ class Checkpointer:
         """
         start = time.perf_counter()
         step = self._resolve(step)
+        # Orbax needs a target sharding for every leaf once the topology differs (a checkpoint
+        # of several learner processes read by one): leaves without one go to the default device.
+        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        abstract_state = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=default)
+            if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None else x, abstract_state)
         args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state),
                                      METADATA: ocp.args.JsonRestore()})
         try:

@@ -82,9 +82,9 @@ def learner_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: st
     publisher = Publisher(buffer.client, run_id, name, metrics, extra=buffer.stats).start()
     admission = build.make_admission(config, buffer, url=url, run_id=run_id)
     # Crash safety: restore the latest checkpoint of the run folder, if any (a resumed run).
-    # A multi-process learner has no checkpoints yet (multihost.check refuses checkpoint_every).
+    # Every learner process opens it: each saves and restores its own shards.
     checkpointer = Checkpointer(pathlib.Path(run_dir) / resume.CHECKPOINT_DIR,
-                                keep=resume.CHECKPOINTS_KEPT) if processes == 1 else None
+                                keep=resume.CHECKPOINTS_KEPT)
     ledger = resume.Ledger(pathlib.Path(run_dir) / resume.LEDGER_DIR) if config.run.ledger \
         else None
     try:
@@ -98,8 +98,7 @@ def learner_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: st
     finally:
         publisher.stop()
         buffer.close()
-        if checkpointer is not None:
-            checkpointer.close()
+        checkpointer.close()
         if ledger is not None:
             ledger.close()
 

@@ -1,24 +1,28 @@
 """One learner process of `test_multihost.py`: trains fixed groups, saves what it computed.
 
-python -m tests.parallel.learner_process PROCESS_ID PROCESSES PORT OUT_DIR
+python -m tests.parallel.learner_process PROCESS_ID PROCESSES PORT OUT_DIR [STEPS [CKPT_DIR]]
 
-Every process builds the same 8 groups (2 steps of 4) and the same initial weights; process i of P
-gets, for each step, its share of that step's groups in its own buffer, exactly as each learner
-process of a job is one consumer of the buffer. Process 0 writes the final parameters and every
-step's metrics to OUT_DIR/result.npz.
+Every process builds the same groups (4 a step) and the same initial weights; process i of P gets,
+for each step, its share of that step's groups in its own buffer, exactly as each learner process
+of a job is one consumer of the buffer. Training runs to learner step STEPS (default 2). With
+CKPT_DIR the learner checkpoints every step there, and first restores the latest checkpoint in it,
+if any (a resumed job then gets only the groups of the steps after it). Process 0 writes the final
+parameters and the metrics of every step this job trained to OUT_DIR/result.npz.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # 2 devices a process
 
-STEPS, GROUPS_PER_BATCH = 2, 4
+GROUPS_PER_BATCH = 4
 
 
-def main(process_id: int, processes: int, port: int, out_dir: str) -> None:
+def main(process_id: int, processes: int, port: int, out_dir: str, steps: int = 2,
+         ckpt_dir: str | None = None) -> None:
     if processes > 1:
         from headrace.parallel import multihost
 
@@ -34,11 +38,13 @@ def main(process_id: int, processes: int, port: int, out_dir: str) -> None:
     from headrace.model import params as params_lib
     from headrace.parallel import multihost
     from headrace.runtime import build
+    from headrace.runtime.checkpoint import Checkpointer
     from headrace.weights.memory import MemoryWeightStore
     from tests.learner.test_checkpointing import make_group
 
     overrides = [f"learner.groups_per_batch={GROUPS_PER_BATCH}", "learner.minibatches=1",
-                 "learner.entropy_coef=0.01", "buffer.max_pending=64", f"run.max_steps={STEPS}",
+                 "learner.entropy_coef=0.01", "buffer.max_pending=64",
+                 f"run.max_steps={steps}", "run.checkpoint_every=1",
                  "staleness.max_policy_lag=100", f"parallel.processes={processes}",
                  "parallel.mesh={data: -1}" if processes > 1 else "parallel.mesh={data: 1}"]
     config = load("examples/guess_number.yaml", overrides)
@@ -46,13 +52,19 @@ def main(process_id: int, processes: int, port: int, out_dir: str) -> None:
     graphdef, params = build.init_params(config, task)
     allowed = task.sampler_settings.allowed_mask(task.dims.vocab_size)
     buffer = MemoryBuffer(capacity=100, max_pending=64)
+    checkpointer = Checkpointer(ckpt_dir) if ckpt_dir else None
+    first = (checkpointer.latest_step() or 0) if checkpointer else 0
     share = GROUPS_PER_BATCH // processes
     mine = [make_group(step * GROUPS_PER_BATCH + process_id * share + k, np.flatnonzero(allowed))
-            for step in range(STEPS) for k in range(share)]
+            for step in range(first, steps) for k in range(share)]
+    # A stream's ids never repeat: a resumed job's buffer carries on after the first job's ids
+    # (the checkpoint's handled ids are skipped if they come again).
+    buffer._ids = itertools.count(1 + first * share)
     buffer.put(mine, timeout_s=1)
     metrics = Metrics()
     learner = Learner(config, graphdef, params, buffer, MemoryWeightStore(4), metrics,
-                      threading.Event(), allowed_v=allowed)
+                      threading.Event(), allowed_v=allowed, checkpointer=checkpointer)
+    assert learner.step == first, (learner.step, first)
     recorded = []
     finish = learner._finish_step
 
@@ -63,6 +75,9 @@ def main(process_id: int, processes: int, port: int, out_dir: str) -> None:
     learner._finish_step = record
     learner.publish_start()
     learner.run()
+    if checkpointer is not None:
+        checkpointer.close()
+    assert buffer.pending() == 0  # every entry acknowledged after the final checkpoint
     final = learner.state.params
     final = multihost.host_params(final) if processes > 1 else final
     if process_id == 0:
@@ -74,4 +89,5 @@ def main(process_id: int, processes: int, port: int, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
+         *([int(sys.argv[5])] if len(sys.argv) > 5 else []), *sys.argv[6:7])
