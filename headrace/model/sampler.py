@@ -4,7 +4,8 @@
 tokens and their log-probabilities **under the temperature-scaled, untruncated distribution** (the
 distribution the learner evaluates); top-k, top-p and the action constraint only choose the token.
 
-Shapes come from a bounded set: rows are padded up to a power of two (at most `max_batch`), contexts
+Shapes come from a bounded set: rows are served in calls whose sizes come from a coarse ladder
+(`max_batch`, `max_batch / 4`, ...; `shapes.split_rows` keeps padding under ~25 %), contexts
 are left-padded to the smallest length bucket that holds them, and every call generates exactly
 `max_new_tokens` steps (rows that hit a stop token keep running, masked). So the number of compiled
 programs is at most |batch sizes| x |buckets| per decoding mode (sampled, greedy).
@@ -26,7 +27,7 @@ import numpy as np
 
 from headrace.model import params as params_lib
 from headrace.model.distribution import policy_logits
-from headrace.shapes import batch_ladder, bucket_for
+from headrace.shapes import batch_ladder, bucket_for, split_rows
 
 
 class PromptTooLong(ValueError):
@@ -197,19 +198,27 @@ class Sampler:
         return out_tokens, out_logps, version
 
     def _generate_rows(self, params, contexts, width: int, greedy: bool):
+        """One bucket's rows, in calls of batch-ladder sizes (`split_rows`: little padding), all
+        dispatched before their results are fetched at once."""
         s = self.settings
-        n = len(contexts)
-        rows = next(b for b in self.batch_sizes if b >= n)
-        tokens_bp = np.full((rows, width), s.pad_id, np.int32)
-        valid_bp = np.zeros((rows, width), bool)
-        for i, context in enumerate(contexts):
-            tokens_bp[i, width - len(context):] = context
-            valid_bp[i, width - len(context):] = True
-        valid_bp[n:, -1] = True  # padding rows see one token, so no row attends to nothing
-        tokens_bg, logps_bg, lengths_b, self._rng = self._fns[greedy](
-            params, tokens_bp, valid_bp, self._rng, np.float32(s.temperature),
-            np.float32(s.top_p), self._allowed_v, self._stop_v, np.int32(s.pad_id))
+        results, start = [], 0
+        for rows in split_rows(len(contexts), self.batch_sizes):
+            chunk = contexts[start:start + rows]
+            start += len(chunk)
+            tokens_bp = np.full((rows, width), s.pad_id, np.int32)
+            valid_bp = np.zeros((rows, width), bool)
+            for i, context in enumerate(chunk):
+                tokens_bp[i, width - len(context):] = context
+                valid_bp[i, width - len(context):] = True
+            valid_bp[len(chunk):, -1] = True  # padding rows see one token: none attends to nothing
+            tokens_bg, logps_bg, lengths_b, self._rng = self._fns[greedy](
+                params, tokens_bp, valid_bp, self._rng, np.float32(s.temperature),
+                np.float32(s.top_p), self._allowed_v, self._stop_v, np.int32(s.pad_id))
+            results.append((len(chunk), tokens_bg, logps_bg, lengths_b))
         # Deliberate device->host sync: the actor needs the tokens to step the environments.
-        tokens_bg, logps_bg, lengths_b = jax.device_get((tokens_bg, logps_bg, lengths_b))
-        return ([tokens_bg[i, :lengths_b[i]] for i in range(n)],
-                [logps_bg[i, :lengths_b[i]] for i in range(n)])
+        results = jax.device_get(results)
+        tokens, logps = [], []
+        for n, tokens_bg, logps_bg, lengths_b in results:
+            tokens.extend(tokens_bg[i, :lengths_b[i]] for i in range(n))
+            logps.extend(logps_bg[i, :lengths_b[i]] for i in range(n))
+        return tokens, logps

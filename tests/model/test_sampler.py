@@ -9,6 +9,7 @@ from headrace.metrics import compiles
 from headrace.model import params as params_lib
 from headrace.model.sampler import PromptTooLong, Sampler, SamplerSettings
 from headrace.model.transformer import ModelDims, segment_mask
+from headrace.shapes import batch_ladder, split_rows
 
 DIMS = ModelDims(vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
 
@@ -84,3 +85,31 @@ def test_no_recompilation_across_prompt_lengths():
         sampler.generate([rng.integers(3, 40, n).astype(np.int32) for _ in range(rows)])
     # At most |batch ladder| x |buckets| programs, however many lengths and row counts arrive.
     assert compiles.compiles("_generate") - before <= len(sampler.batch_sizes) * 3
+
+
+def test_rows_split_over_several_calls_keep_their_order_and_logprobs():
+    graphdef, params = params_lib.init(DIMS, seed=4)
+    sampler = Sampler(graphdef, SamplerSettings(temperature=0.9, max_new_tokens=3),
+                      DIMS.vocab_size, buckets=(16,), max_batch=256, seed=0)
+    sampler.set_params(params, 0)
+    assert split_rows(75, sampler.batch_sizes) == [64, 16]  # two calls, 80 rows (not 256)
+    rng = np.random.default_rng(2)
+    contexts = [rng.integers(3, 40, int(rng.integers(1, 13))).astype(np.int32)
+                for _ in range(75)]
+    tokens, logps, _ = sampler.generate(contexts)
+    assert len(tokens) == len(logps) == 75
+    for i in (0, 40, 63, 64, 74):  # both calls, at their edges
+        ref = full_forward_logprobs(graphdef, params, contexts[i], tokens[i], 0.9)
+        np.testing.assert_allclose(logps[i], ref, atol=1e-5)
+
+
+def test_split_rows_pads_little_with_ladder_sizes_only():
+    sizes = batch_ladder(1024)
+    assert split_rows(300, sizes) == [256, 64]  # not one call of 1024
+    assert split_rows(1024, sizes) == [1024] and split_rows(3, sizes) == [8]
+    for count in range(1, 1025):
+        calls = split_rows(count, sizes)
+        assert set(calls) <= set(sizes) and len(calls) <= 4
+        assert count <= sum(calls) <= max(count * 1.25, count + 8), (count, calls)
+    with pytest.raises(ValueError, match="exceed the largest batch size 1024"):
+        split_rows(1025, sizes)
