@@ -53,7 +53,7 @@ def base_config(args, run_dir: pathlib.Path) -> dict:
         "learner": {"groups_per_batch": args.groups_per_batch, "minibatches": 1,
                     "publish_every": 1, "entropy_coef": 0.03},
         "shapes": {"buckets": [4, 8, 12]},
-        "staleness": {"max_policy_lag": args.max_policy_lag},
+        "staleness": {"max_policy_lag": args.max_policy_lag or 4},
     }
 
 
@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups-per-batch", type=int, default=32)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--n-layers", type=int, default=4)
-    parser.add_argument("--max-policy-lag", type=int, default=4)
+    parser.add_argument("--max-policy-lag", type=int, default=0,
+                        help="the staleness limit of sync and async (default: the smallest that "
+                             "admits the in-flight groups Little's law calls for)")
     parser.add_argument("--prefill-groups", type=int, default=8192)
     parser.add_argument("--warmup-allowance", type=float, default=60.0,
                         help="seconds allowed for start-up before the measured window")
@@ -189,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         needed = consume_groups_per_s * episode_s
         headroom = 1.25
         slots = max(1, math.ceil(needed * headroom))
+        # Admission lets at most about (max_policy_lag + 1) batches be in flight or queued (a
+        # group must be trained within the lag limit of the weights it started with), so the limit
+        # must admit the in-flight count sized above, or no pool can keep the learner busy.
+        args.max_policy_lag = args.max_policy_lag or max(
+            4, math.ceil(slots / args.groups_per_batch) - 1)
         sync_data = base_config(args, root / "sync")
         sync_data["run"]["mode"] = "sync"
         sync_data["actor"]["envs_per_actor"] = 8 * max(args.groups_per_batch, 1)
@@ -201,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         "learner_alone": alone, "sync": sync, "async": result_async,
         "little": {"consume_groups_per_s": consume_groups_per_s, "episode_s": episode_s,
                    "in_flight_groups_needed": needed, "headroom": headroom,
-                   "envs_per_actor_async": 8 * slots},
+                   "envs_per_actor_async": 8 * slots,
+                   "max_policy_lag": args.max_policy_lag,
+                   "admission_window_groups": (args.max_policy_lag + 1) * args.groups_per_batch},
         "settings": {"env_latency_s": args.env_latency, "duration_s": args.duration,
                      "groups_per_batch": args.groups_per_batch, "group_size": 8,
                      "d_model": args.d_model, "n_layers": args.n_layers,

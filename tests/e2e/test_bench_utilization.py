@@ -21,4 +21,5 @@ def test_quick_bench_prints_every_key():
             assert key in data[way], (way, key)
         assert data[way]["steps_per_s"] > 0, (way, data[way])
     assert data["little"]["in_flight_groups_needed"] > 0
+    assert data["little"]["admission_window_groups"] >= data["little"]["envs_per_actor_async"] / 8
     assert data["async"]["updates_per_trajectory"] == data["sync"]["updates_per_trajectory"]
