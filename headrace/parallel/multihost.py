@@ -59,9 +59,6 @@ def check(config: Config) -> None:
         raise ConfigError(f"learner.groups_per_batch={lc.groups_per_batch}: must divide by "
                           f"parallel.processes x learner.minibatches = {p * lc.minibatches} "
                           "(every process brings its share of every minibatch)")
-    if config.run.ledger:
-        raise ConfigError(f"run.ledger=true: the ledger records one learner process; with "
-                          f"parallel.processes={p} set run.ledger=false")
 
 
 def initialize(coordinator: str, processes: int, process_id: int) -> None:

@@ -14,12 +14,13 @@ machine crash can lose the last second of puts; `always` loses nothing that `put
 Ledger (`run.ledger=true`, for tests and audits; it costs a Redis set member and a line per
 group). Writers: each buffer put adds its group ids to the run's `written` set in the same Redis
 transaction (`RedisBuffer`, exact under any crash). The learner appends what it did with each entry
-to `RUN_DIR/ledger/learner-NNNN.jsonl` (one file per learner start): `trained` (per step),
+to `RUN_DIR/ledger/learner-NNNN.jsonl` (one file per learner start; process K of several learner
+processes writes `learner-NNNN-pK.jsonl`, its own sequence): `trained` (per step),
 `dropped` (with the gate's reason), `skipped` (a redelivered entry its checkpoint already covers),
 and, before each checkpoint save, a `checkpoint` marker followed by an fsync. A learner that
 restored checkpoint K writes `restored: K` in its first line: every record after K's marker was
 lost with the crash (those entries were never acknowledged, so they come back and are handled
-again). `history` replays the files that way; `accounting` checks the identity of DESIGN.md,
+again). `history` replays each process's files that way; `accounting` checks the identity of DESIGN.md,
 written = trained ∪ dropped ∪ quarantined ∪ in the buffer, exactly, by group id.
 """
 
@@ -143,16 +144,20 @@ class Ledger:
     before it can be acknowledged. Not thread-safe: the learner's training thread writes it.
     """
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, process: int | None = None):
+        """`process`: this learner's index when the job has several learner processes."""
         self.directory = pathlib.Path(directory)
+        self.process = process
         self.path: pathlib.Path | None = None
         self._file = None
 
     def begin(self, restored: int | None) -> None:
         """Opens a new file for this learner start, saying which checkpoint it restored."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        numbers = [int(p.stem.split("-")[1]) for p in self.directory.glob("learner-*.jsonl")]
-        self.path = self.directory / f"learner-{max(numbers, default=-1) + 1:04d}.jsonl"
+        numbers = [number for process, number, _ in _ledger_files(self.directory)
+                   if process == self.process]
+        suffix = "" if self.process is None else f"-p{self.process}"
+        self.path = self.directory / f"learner-{max(numbers, default=-1) + 1:04d}{suffix}.jsonl"
         self._file = open(self.path, "x")
         self._write({"kind": "start", "time": time.time(), "restored": restored,
                      "pid": os.getpid()})
@@ -218,12 +223,35 @@ def _read_lines(path: pathlib.Path) -> list[dict]:
     return records
 
 
+def _ledger_files(directory: pathlib.Path) -> list[tuple[int | None, int, pathlib.Path]]:
+    """(process, start number, path) of every ledger file; process None for a single learner."""
+    found = []
+    for path in directory.glob("learner-*.jsonl"):
+        number, _, process = path.stem[len("learner-"):].partition("-p")
+        if number.isdigit() and (not process or process.isdigit()):
+            found.append((int(process) if process else None, int(number), path))
+    return sorted(found, key=lambda f: (-1 if f[0] is None else f[0], f[1]))
+
+
 def history(run_dir: str | os.PathLike, latest: int | None) -> History:
-    """Replays RUN_DIR/ledger up to checkpoint `latest` (the newest complete one; None: none).
+    """Replays RUN_DIR/ledger up to checkpoint `latest` (the newest complete one; None: none);
+    with several learner processes, each one's files in turn (every process marks every
+    checkpoint), the results joined.
 
     Raises:
       LedgerError: a start restored a checkpoint no earlier file marked, or `latest` is unmarked.
     """
+    files = _ledger_files(pathlib.Path(run_dir, LEDGER_DIR))
+    processes = list(dict.fromkeys(process for process, _, _ in files)) or [None]
+    parts = [_replay([path for p, _, path in files if p == process], latest)
+             for process in processes]
+    return History([r for part in parts for r in part.effective],
+                   [r for part in parts for r in part.void],
+                   max(part.starts for part in parts))  # job starts: each process starts once
+
+
+def _replay(files: list[pathlib.Path], latest: int | None) -> History:
+    """One learner process's ledger files, in start order, replayed up to checkpoint `latest`."""
     effective: list[dict] = []
     void: list[dict] = []
     marks: dict[int, int] = {}
@@ -241,7 +269,6 @@ def history(run_dir: str | os.PathLike, latest: int | None) -> History:
         effective = effective[:cut]
         marks = {k: v for k, v in marks.items() if key is not None and k <= key}
 
-    files = sorted(pathlib.Path(run_dir, LEDGER_DIR).glob("learner-*.jsonl"))
     starts = 0
     for path in files:
         records = _read_lines(path)

@@ -85,8 +85,8 @@ def learner_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: st
     # Every learner process opens it: each saves and restores its own shards.
     checkpointer = Checkpointer(pathlib.Path(run_dir) / resume.CHECKPOINT_DIR,
                                 keep=resume.CHECKPOINTS_KEPT)
-    ledger = resume.Ledger(pathlib.Path(run_dir) / resume.LEDGER_DIR) if config.run.ledger \
-        else None
+    ledger = resume.Ledger(pathlib.Path(run_dir) / resume.LEDGER_DIR,
+                           process_id if processes > 1 else None) if config.run.ledger else None
     try:
         learner = Learner(config, graphdef, params, buffer, weights, metrics, stop,
                           allowed_v=task.sampler_settings.allowed_mask(task.dims.vocab_size),

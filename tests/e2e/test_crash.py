@@ -129,8 +129,11 @@ def _wait_gone(pids: set[int], timeout_s: float) -> set[int]:
     return _alive(pids)
 
 
-@pytest.mark.timeout(300)
-def test_sigkill_then_resume_keeps_the_accounting_identity_exactly(tmp_path):
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigkill_then_resume_keeps_the_accounting_identity_exactly(tmp_path, processes):
+    """One learner process, or two (jax.distributed, 2 simulated devices each) whose
+    checkpoints and ledgers cover the job together."""
     try:
         find_redis_server()
     except RedisServerError as error:
@@ -138,12 +141,15 @@ def test_sigkill_then_resume_keeps_the_accounting_identity_exactly(tmp_path):
     run_dir = tmp_path / "run"
     base = [sys.executable, "-m", "headrace.cli", "train"]
     log = open(tmp_path / "train.log", "w")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    layout = ["--set", f"parallel.processes={processes}",
+              "--set", "parallel.mesh={data: -1}"] if processes > 1 else []
 
     # 1. A run that would go on for long, killed once a few checkpoints exist.
     first = subprocess.Popen(
         [*base, "examples/guess_number.yaml", "--json", "--no-live",
-         "--set", f"run.dir={run_dir}", *SMALL, "--set", "run.max_steps=100000"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+         "--set", f"run.dir={run_dir}", *SMALL, *layout, "--set", "run.max_steps=100000"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + 120
         while len(_checkpoints(run_dir)) < 2 or _pending(run_dir) == 0:
@@ -151,7 +157,7 @@ def test_sigkill_then_resume_keeps_the_accounting_identity_exactly(tmp_path):
             assert time.monotonic() < deadline, "no checkpoints within 120 s"
             time.sleep(0.2)
         tree = _members(first.pid) | _redis_pids(run_dir)
-        assert len(tree) >= 4, tree  # supervisor, learner, actor, redis-server at least
+        assert len(tree) >= 3 + processes, tree  # supervisor, learners, actor, redis-server
         os.killpg(first.pid, signal.SIGKILL)  # the supervisor's whole process group
         first.wait(10)
         survivors = _wait_gone(tree, 15)  # redis-server (own session) dies with its parent
@@ -165,7 +171,7 @@ def test_sigkill_then_resume_keeps_the_accounting_identity_exactly(tmp_path):
     target = killed_at + MORE_STEPS
     second = subprocess.Popen(
         [*base, "--resume", str(run_dir), "--json", "--set", f"run.max_steps={target}"],
-        stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+        stdout=subprocess.PIPE, stderr=log, start_new_session=True, env=env)
     try:
         out, _ = second.communicate(timeout=150)
         # Nothing is left behind (the resource tracker takes a moment to see its pipe close).
