@@ -13,12 +13,18 @@ and an actor holding weights `v_a` may start it when `trained_at - v_a <= max_po
 older than `max_age_s`; `step_s` is the learner's recent time per step).
 
 What `Q` counts, and who reports it:
-  * `learner queued`: groups the learner has read from the buffer but not yet trained (reader queue,
-    batcher, prefetch), reported by the learner in `learner_update(queued=...)`; a multi-host
-    learner reports one figure per `host`, and they are summed.
-  * `depth`: undelivered groups in the buffer, read by the backend itself at decision time (the
-    in-process backend calls the `depth` callable it was given, e.g. `MemoryBuffer.depth`; the Redis
-    backend reads the run's stream, `XLEN - pending`, inside its script).
+  * `learner queued`: groups the learner has read from the buffer but not yet trained (reader,
+    queue, the batch being built or trained): the buffer's pending entries (delivered, not yet
+    acknowledged) minus those the learner reports as handled (trained, dropped or skipped, waiting
+    for acknowledgement; `learner_update(handled=...)`, one figure per learner `host`, summed).
+    Pending and depth are read together, so an entry the learner has just read is counted at
+    once. The learner reports a batch as handled only after its step, and stops reporting entries
+    before it acknowledges them: every stale report over-counts, which only makes admission
+    conservative.
+  * `depth`: undelivered groups in the buffer. Both are read by the backend itself at decision
+    time (the in-process backend calls the `counts` callable it was given, e.g.
+    `MemoryBuffer.counts`; the Redis backend reads the run's stream, `XLEN` and the group's
+    pending count, inside its script).
   * `in_flight`: live leases, one per admitted group not yet released.
   * `+ 1`: the new group.
 
@@ -29,9 +35,8 @@ never counted by neither side; briefly counting it twice only makes admission co
 a `finally` when the group is abandoned. The learner calls `learner_update` after every read and
 every step.
 
-It is a forecast, not a guarantee: episodes finish out of order, groups the learner has just read
-are uncounted until its next `learner_update`, and the gate drops (and counts) whatever turns out
-over a limit. Failure modes: a crashed actor stops heartbeating, so its leases expire after
+It is a forecast, not a guarantee: episodes finish out of order, and the gate drops (and counts)
+whatever turns out over a limit. Failure modes: a crashed actor stops heartbeating, so its leases expire after
 `lease_ttl_s` and admission resumes without it (its groups, if they ever arrive, are still trained
 or dropped by the gate). An actor that stalls longer than `lease_ttl_s` loses its leases too
 (`heartbeat` returns how many it renewed; `release` of an expired lease returns False).
@@ -107,7 +112,7 @@ class LearnerState:
 
     version: int = 0  # latest published policy version
     since_publish: int = 0  # learner steps since that publish
-    queued: int = 0  # groups read from the buffer, not yet trained (all hosts)
+    queued: int = 0  # groups read from the buffer, not yet trained (all hosts): pending - handled
     step_s: float = 0.0  # recent seconds per learner step (0: unknown)
 
 
@@ -174,11 +179,11 @@ def decide(state: LearnerState, depth: int, in_flight: int, limits: AdmissionLim
                     p90_episode_s, reason)
 
 
-def check_update(version: int, since_publish: int, queued: int, step_s: float) -> None:
+def check_update(version: int, since_publish: int, handled: int, step_s: float) -> None:
     """Raises ValueError when a learner report is out of range."""
-    if version < 0 or since_publish < 0 or queued < 0 or not step_s >= 0:
+    if version < 0 or since_publish < 0 or handled < 0 or not step_s >= 0:
         raise ValueError(f"learner_update(version={version}, since_publish={since_publish}, "
-                         f"queued={queued}, step_s={step_s}): all must be >= 0")
+                         f"handled={handled}, step_s={step_s}): all must be >= 0")
 
 
 def new_lease_id(actor_id: str) -> str:
@@ -261,19 +266,21 @@ class InProcessAdmission(Admission):
 
     Args:
       limits, lease_ttl_s: see `Admission`.
-      depth: returns the buffer's undelivered groups (e.g. `MemoryBuffer.depth`); None counts 0.
-        It is called under this object's lock, so it must not call back into admission.
+      counts: returns the buffer's (undelivered, pending) groups, read together (e.g.
+        `MemoryBuffer.counts`); None counts 0 and 0. It is called under this object's lock, so it
+        must not call back into admission.
       clock: monotonic seconds (tests may pass a fake).
     """
 
-    def __init__(self, limits: AdmissionLimits, *, depth: Callable[[], int] | None = None,
+    def __init__(self, limits: AdmissionLimits, *,
+                 counts: Callable[[], tuple[int, int]] | None = None,
                  lease_ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
         super().__init__(limits, lease_ttl_s)
-        self._depth = depth or (lambda: 0)
+        self._counts = counts or (lambda: (0, 0))
         self._clock = clock
         self._lock = threading.Lock()
-        self._state = LearnerState()
-        self._queued: dict[str, int] = {}
+        self._state = LearnerState()  # `queued` holds the hosts' summed `handled`
+        self._handled: dict[str, int] = {}
         self._leases: dict[str, tuple[str, float]] = {}  # lease id -> (actor id, expiry)
 
     def _expire(self) -> float:
@@ -282,26 +289,34 @@ class InProcessAdmission(Admission):
             del self._leases[lease_id]
         return now
 
-    def learner_update(self, version: int, since_publish: int, queued: int, step_s: float,
+    def learner_update(self, version: int, since_publish: int, handled: int, step_s: float,
                        host: str = "0") -> None:
-        check_update(version, since_publish, queued, step_s)
+        check_update(version, since_publish, handled, step_s)
         check_name("host", host)
         with self._lock:
-            self._queued[host] = queued
-            self._state = LearnerState(version, since_publish, sum(self._queued.values()),
+            self._handled[host] = handled
+            self._state = LearnerState(version, since_publish, sum(self._handled.values()),
                                        float(step_s))
 
+    def _read(self) -> tuple[LearnerState, int]:
+        """The learner's state (queued: pending - handled) and the depth; under the lock."""
+        depth, pending = self._counts()
+        state = dataclasses.replace(self._state, queued=max(0, pending - self._state.queued))
+        return state, depth
+
     def learner_state(self) -> LearnerState:
-        """What the learner last reported (zeros before its first report)."""
+        """What the learner last reported, with the groups it holds untrained (zeros before
+        its first report)."""
         with self._lock:
-            return self._state
+            return self._read()[0]
 
     def _decide(self, actor_id: str, weights_version: int, p90_episode_s: float | None,
                 reserve: bool) -> tuple[Forecast, Lease | None]:
         with self._lock:
             now = self._expire()
-            forecast = decide(self._state, int(self._depth()), len(self._leases), self.limits,
-                              weights_version, p90_episode_s)
+            state, depth = self._read()
+            forecast = decide(state, depth, len(self._leases), self.limits, weights_version,
+                              p90_episode_s)
             if not (reserve and forecast.admitted):
                 return forecast, None
             lease_id = new_lease_id(actor_id)

@@ -4,12 +4,13 @@ Keys of one run and shard, next to the buffer's (the `{RUN:SHARD}` hash tag keep
 Redis Cluster slot with the stream, so one script may read them all):
 
   headrace:{RUN:SHARD}:admission:learner     hash: version, since_publish, step_s, updated_ms
-  headrace:{RUN:SHARD}:admission:queued      hash: learner host -> groups read, not yet trained
+  headrace:{RUN:SHARD}:admission:handled     hash: learner host -> groups handled, not yet acked
   headrace:{RUN:SHARD}:admission:leases      sorted set of `actor|id` scored by expiry (server ms)
   headrace:{RUN:SHARD}:admission:actor:ID    set of that actor's lease members (expires with them)
 
 `try_admit` is one Lua script: drop expired leases, count the live ones, read the learner's state
-and the stream's depth (`XLEN - pending` of the `learners` group), apply the rule of
+and the stream's counts (the `learners` group's pending entries: the learner's queue is pending -
+handled; depth is `XLEN - pending`), apply the rule of
 `headrace.buffer.admission.decide`, and take the lease only when admissible, so two actors can never
 both take the last admissible slot. Lease expiry uses the server's clock (one clock for every host).
 A call whose reply was lost is retried with the same lease id, and the script first removes that
@@ -53,7 +54,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: learner, queued, leases, actor set, stream. ARGV: stream group, reserve ('1'|'0'), member,
+# KEYS: learner, handled, leases, actor set, stream. ARGV: stream group, reserve ('1'|'0'), member,
 # ttl_ms, weights_version, p90 ('' unknown), groups_per_batch, publish_every, max_policy_lag,
 # max_age_s. Returns {reason, version, since_publish, queued, depth, in_flight, step_s}.
 _DECIDE = _NOW + """
@@ -63,13 +64,15 @@ local in_flight = redis.call('ZCARD', KEYS[3])
 local learner = redis.call('HMGET', KEYS[1], 'version', 'since_publish', 'step_s')
 local version, since = tonumber(learner[1] or '0'), tonumber(learner[2] or '0')
 local step_text = learner[3] or '0'
-local queued = 0
-for _, n in ipairs(redis.call('HVALS', KEYS[2])) do queued = queued + tonumber(n) end
-local depth = 0
+local handled = 0
+for _, n in ipairs(redis.call('HVALS', KEYS[2])) do handled = handled + tonumber(n) end
+local depth, pending = 0, 0
 local summary = redis.pcall('XPENDING', KEYS[5], ARGV[1])
 if not (type(summary) == 'table' and summary.err) then
-  depth = redis.call('XLEN', KEYS[5]) - summary[1]
+  pending = summary[1]
+  depth = redis.call('XLEN', KEYS[5]) - pending
 end
+local queued = math.max(0, pending - handled)
 local ahead = queued + depth + in_flight + 1
 local per_batch, every = tonumber(ARGV[7]), tonumber(ARGV[8])
 local batches = math.floor((ahead + per_batch - 1) / per_batch)
@@ -166,7 +169,7 @@ class RedisAdmission(Admission):
         prefix = f"headrace:{{{run_id}:{shard}}}"
         self.stream_key = f"{prefix}:groups"
         self.prefix = f"{prefix}:admission"
-        self.learner_key, self.queued_key = f"{self.prefix}:learner", f"{self.prefix}:queued"
+        self.learner_key, self.handled_key = f"{self.prefix}:learner", f"{self.prefix}:handled"
         self.leases_key = f"{self.prefix}:leases"
         scripts = dict(decide=_DECIDE, heartbeat=_HEARTBEAT, release=_RELEASE, count=_COUNT)
         self._lua = {name: self._client.register_script(src) for name, src in scripts.items()}
@@ -193,9 +196,9 @@ class RedisAdmission(Admission):
                                what=f"admission {what}", retry_s=self.retry_s,
                                error=AdmissionError, auth_hint="set buffer.password")
 
-    def learner_update(self, version: int, since_publish: int, queued: int, step_s: float,
+    def learner_update(self, version: int, since_publish: int, handled: int, step_s: float,
                        host: str = "0") -> None:
-        check_update(version, since_publish, queued, step_s)
+        check_update(version, since_publish, handled, step_s)
         check_name("host", host)
 
         def write() -> None:
@@ -203,28 +206,35 @@ class RedisAdmission(Admission):
             pipe.hset(self.learner_key, mapping={
                 "version": int(version), "since_publish": int(since_publish),
                 "step_s": repr(float(step_s)), "updated_ms": int(time.time() * 1000)})
-            pipe.hset(self.queued_key, host, int(queued))
+            pipe.hset(self.handled_key, host, int(handled))
             pipe.execute()
 
         self._call("learner_update", write)
 
-    def _decide(self, actor_id: str, weights_version: int, p90_episode_s: float | None,
-                reserve: bool) -> tuple[Forecast, Lease | None]:
+    def _script(self, actor_id: str, weights_version: int, p90_episode_s: float | None,
+                reserve: bool) -> tuple[str, str, LearnerState, int, int]:
+        """Runs the decision script: (its reason, lease member, learner state, depth, in flight)."""
         member = new_lease_id(actor_id)
         p90 = "" if p90_episode_s is None else repr(float(p90_episode_s))
         lim = self.limits
         reply = self._call(
             "try_admit" if reserve else "forecast", self._lua["decide"],
-            keys=[self.learner_key, self.queued_key, self.leases_key, self._actor_key(actor_id),
+            keys=[self.learner_key, self.handled_key, self.leases_key, self._actor_key(actor_id),
                   self.stream_key],
             args=[GROUP, "1" if reserve else "0", member, self._ttl_ms, int(weights_version), p90,
                   lim.groups_per_batch, lim.publish_every, lim.max_policy_lag,
                   repr(float(lim.max_age_s))])
         reason, version, since, queued, depth, in_flight, step_s = reply
         state = LearnerState(int(version), int(since), int(queued), float(_str(step_s)))
-        forecast = decide(state, int(depth), int(in_flight), lim, weights_version, p90_episode_s)
-        if forecast.reason != _str(reason):  # the script and `decide` must agree
-            raise AdmissionError(f"admission script decided {_str(reason)!r} but the rule says "
+        return _str(reason), member, state, int(depth), int(in_flight)
+
+    def _decide(self, actor_id: str, weights_version: int, p90_episode_s: float | None,
+                reserve: bool) -> tuple[Forecast, Lease | None]:
+        reason, member, state, depth, in_flight = self._script(actor_id, weights_version,
+                                                               p90_episode_s, reserve)
+        forecast = decide(state, depth, in_flight, self.limits, weights_version, p90_episode_s)
+        if forecast.reason != reason:  # the script and `decide` must agree
+            raise AdmissionError(f"admission script decided {reason!r} but the rule says "
                                  f"{forecast.reason!r} for {forecast}; a bug, please report it")
         if not (reserve and forecast.admitted):
             return forecast, None
@@ -249,18 +259,15 @@ class RedisAdmission(Admission):
         return int(self._call("in_flight", self._lua["count"], keys=keys, args=[]))
 
     def learner_state(self) -> LearnerState:
-        """What the learner last reported (zeros before its first report)."""
-        fields = self._call("learner_state", self._client.hmget, self.learner_key,
-                            ["version", "since_publish", "step_s"])
-        queued = self._call("learner_state", self._client.hvals, self.queued_key)
-        version, since, step_s = (_str(f) if f is not None else "0" for f in fields)
-        return LearnerState(int(version), int(since), sum(int(q) for q in queued), float(step_s))
+        """What the learner last reported, with the groups it holds untrained (zeros before
+        its first report), as the decision script reads them."""
+        return self._script("forecast", 0, None, False)[2]
 
     def drop(self) -> None:
         """Deletes this run's admission keys (learner state, leases, per-actor sets)."""
         actors = self._call("drop", lambda: list(
             self._client.scan_iter(match=f"{self.prefix}:actor:*")))
-        self._call("drop", self._client.delete, self.learner_key, self.queued_key,
+        self._call("drop", self._client.delete, self.learner_key, self.handled_key,
                    self.leases_key, *actors)
 
     def close(self) -> None:

@@ -138,6 +138,11 @@ class MemoryBuffer(Buffer):
         with self._cond:
             return len(self._pending)
 
+    def counts(self) -> tuple[int, int]:
+        """(undelivered, pending), read together (what admission control needs)."""
+        with self._cond:
+            return len(self._ready), len(self._pending)
+
     def stats(self) -> dict[str, float]:
         with self._cond:
             put_p50, put_p99 = self._put_ms.quantiles((0.5, 0.99))

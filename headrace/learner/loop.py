@@ -116,8 +116,6 @@ class Learner:
         self._first_step_at: float | None = None
         self._busy_s = 0.0
         self._tokens = 0
-        self._gathered = 0  # entries taken off the queue for the batch being assembled
-        self._in_training = 0  # entries of the step being trained (ahead of any new group)
         self.done = threading.Event()
         self.tracer = Tracer(trace_path, weights, metrics)
         self._carry: list[Entry] = []  # passed the gate, not yet in a batch (gated again on use)
@@ -184,11 +182,13 @@ class Learner:
         self._report_state()
 
     def _report_state(self) -> None:
-        """Tells admission control where the learner is (version, steps since publish, queue)."""
-        if self.admission is not None:  # each learner process reports its own queue
+        """Tells admission control where the learner is: version, steps since publish, and the
+        entries handled but not yet acknowledged (admission counts the rest of the buffer's
+        pending entries as this learner's queue). Only the training thread reports, so reports
+        stay in order."""
+        if self.admission is not None:  # each learner process reports its own
             step_s = self.metrics.distribution("learner/step_s")
-            self.admission.learner_update(self.version, self._since_publish,
-                                          self._queue.qsize() + self._gathered,
+            self.admission.learner_update(self.version, self._since_publish, len(self._unacked),
                                           step_s.mean() if step_s is not None else 0.0,
                                           host=str(jax.process_index()))
 
@@ -206,8 +206,6 @@ class Learner:
                     self.tracer.read(entries)
                 for entry in entries:
                     self._queue.put(entry)
-                if entries:
-                    self._report_state()
         except Exception:
             log.exception("learner reader failed")
             self.stop.set()
@@ -254,7 +252,6 @@ class Learner:
                 continue
             if self._admit(entry, version):
                 entries.append(entry)
-            self._gathered = self._in_training + len(entries)
         return entries
 
     # --- training ------------------------------------------------------------------------------
@@ -317,7 +314,6 @@ class Learner:
             if batch is None:
                 batch = self._build(entries)
             self._record_staleness(entries)  # lag against self.version: the train version
-            self._in_training = len(entries)
             started, compiled = time.time(), compiles.compiles("train_step")
             start = time.perf_counter()
             # One call per microbatch, dispatched without waiting; `batch.updates` updates.
@@ -340,8 +336,6 @@ class Learner:
             if self._since_publish >= lc.publish_every:
                 self.version += 1
                 self.publish()
-            self._in_training = 0
-            self._gathered = len(ahead[0]) if ahead else len(self._carry)
             self._report_state()
             self.tracer.poll()
             if not run.checkpoint_every or self.step % run.checkpoint_every == 0:
@@ -492,9 +486,12 @@ class Learner:
 
     def _flush_acks(self) -> None:
         if self._unacked:
-            self.buffer.ack(self._unacked)
-            self.trained_ids.difference_update(self._unacked)
-            self._unacked = []
+            ids, self._unacked = self._unacked, []
+            # Admission hears first that these are no longer handled: until the ack lands it
+            # counts them as queued, which errs on the safe side.
+            self._report_state()
+            self.buffer.ack(ids)
+            self.trained_ids.difference_update(ids)
 
     @property
     def utilization(self) -> float:

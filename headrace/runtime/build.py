@@ -104,7 +104,7 @@ def make_admission(config: Config, buffer: Buffer, *, url: str = "", run_id: str
 
     limits = AdmissionLimits.from_config(config)
     if not url:
-        return InProcessAdmission(limits, depth=buffer.depth)
+        return InProcessAdmission(limits, counts=buffer.counts)
     from headrace.buffer.admission_redis import RedisAdmission
 
     return RedisAdmission(url, limits, run_id=run_id, password=config.buffer.password or None)

@@ -81,7 +81,7 @@ class Harness:
     def make(self, limits: AdmissionLimits, lease_ttl_s: float = 30.0):
         if self.kind == "memory":
             self.buffer = MemoryBuffer(capacity=64)
-            admission = InProcessAdmission(limits, depth=self.buffer.depth,
+            admission = InProcessAdmission(limits, counts=self.buffer.counts,
                                            lease_ttl_s=lease_ttl_s)
             self._shared = admission
         else:
@@ -122,19 +122,26 @@ def harness(request):
 
 def test_forecast_counts_queued_buffered_and_in_flight(harness, group_factory):
     adm = harness.make(AdmissionLimits(groups_per_batch=4, publish_every=2, max_policy_lag=10))
-    harness.buffer.put([group_factory(i) for i in range(3)], timeout_s=5)
-    assert len(harness.buffer.get(1, timeout_s=5)) == 1  # delivered: now the learner's to count
-    adm.learner_update(version=3, since_publish=1, queued=4, step_s=0.5)
+    harness.buffer.put([group_factory(i) for i in range(8)], timeout_s=5)
+    # Delivered to the learner: counted as its queue at once, before any report of its own.
+    got = harness.buffer.get(6, timeout_s=5)
+    assert len(got) == 6 and adm.forecast(3).learner_queued == 6
+    adm.learner_update(version=3, since_publish=1, handled=2, step_s=0.5)  # 2 trained, unacked
     assert adm.try_admit("a", 3) is not None and adm.try_admit("a", 3) is not None
     f = adm.forecast(3)
     assert (f.learner_queued, f.depth, f.in_flight, f.queued_ahead, f.batches) == (4, 2, 2, 9, 3)
     assert (f.trained_at, f.lag, f.expected_wait_s, f.admitted) == (4, 1, 1.5, True)
     assert adm.in_flight() == 2 and adm.in_flight("a") == 2 and adm.in_flight("b") == 0
+    assert adm.learner_state().queued == 4
 
-    adm.learner_update(version=3, since_publish=1, queued=4, step_s=0.5, host="1")
-    f = adm.forecast(3)
-    assert (f.learner_queued, f.queued_ahead, f.batches, f.trained_at) == (8, 13, 4, 5)
-    assert f.as_dict()["trained_at"] == 5
+    adm.learner_update(version=3, since_publish=1, handled=2, step_s=0.5, host="1")
+    f = adm.forecast(3)  # a second learner host handled 2 more of the pending entries
+    assert (f.learner_queued, f.queued_ahead, f.batches, f.trained_at) == (2, 7, 2, 4)
+    assert f.as_dict()["trained_at"] == 4
+    harness.buffer.ack([e.id for e in got[:4]])  # acknowledged after the hosts stopped counting
+    adm.learner_update(version=3, since_publish=1, handled=0, step_s=0.5)
+    adm.learner_update(version=3, since_publish=1, handled=0, step_s=0.5, host="1")
+    assert adm.forecast(3).learner_queued == 2
 
 
 def test_backend_agrees_with_rule(harness):
@@ -152,7 +159,7 @@ def test_backend_agrees_with_rule(harness):
 
 def test_old_weights_refused_until_newer_version(harness):
     adm = harness.make(AdmissionLimits(groups_per_batch=2, publish_every=1, max_policy_lag=1))
-    adm.learner_update(version=5, since_publish=0, queued=0, step_s=0.0)
+    adm.learner_update(version=5, since_publish=0, handled=0, step_s=0.0)
     assert adm.try_admit("a", 3) is None
     assert adm.forecast(3).reason == REFUSED_LAG and adm.forecast(3).lag == 2
     lease = adm.try_admit("a", 4)
@@ -251,9 +258,11 @@ def test_release_frees_the_slot(harness):
     assert adm.try_admit("b", 0) is not None and adm.in_flight("b") == 1
 
 
-def test_max_age_refusal(harness):
+def test_max_age_refusal(harness, group_factory):
     adm = harness.make(AdmissionLimits(2, 1, max_policy_lag=100, max_age_s=10.0))
-    adm.learner_update(version=0, since_publish=0, queued=5, step_s=2.0)  # Q=6: 3 batches, 6 s
+    harness.buffer.put([group_factory(i) for i in range(5)], timeout_s=5)
+    assert len(harness.buffer.get(5, timeout_s=5)) == 5  # the learner's queue
+    adm.learner_update(version=0, since_publish=0, handled=0, step_s=2.0)  # Q=6: 3 batches, 6 s
     assert adm.forecast(0, p90_episode_s=4.0).expected_wait_s == 6.0
     assert adm.forecast(0, p90_episode_s=4.5).reason == REFUSED_AGE  # 6 + 4.5 > 10
     assert adm.try_admit("a", 0, p90_episode_s=4.0) is not None  # 6 + 4 <= 10
@@ -262,14 +271,14 @@ def test_max_age_refusal(harness):
     assert adm.try_admit("a", 0, p90_episode_s=3.5) is None
     assert adm.try_admit("a", 0, p90_episode_s=None) is not None  # no estimate yet: no age check
     off = harness.make(AdmissionLimits(2, 1, max_policy_lag=100))
-    off.learner_update(version=0, since_publish=0, queued=50, step_s=2.0)
+    off.learner_update(version=0, since_publish=0, handled=0, step_s=2.0)
     assert off.try_admit("a", 0, p90_episode_s=1e6) is not None  # max_age_s=0: off
 
 
 @pytest.mark.timeout(15)
 def test_admit_waits_for_newer_weights_and_measures_it(harness):
     adm = harness.make(AdmissionLimits(1, 1, max_policy_lag=1))
-    adm.learner_update(version=5, since_publish=0, queued=0, step_s=0.0)
+    adm.learner_update(version=5, since_publish=0, handled=0, step_s=0.0)
     weights = [3]
     timer = threading.Timer(0.3, lambda: weights.__setitem__(0, 4))  # the actor picks up v4
     timer.start()
