@@ -65,7 +65,7 @@ DEFAULT_EVAL_EVERY = 10
 
 
 def run_config(*, lag: int, correction: str, seed: int, steps: int, eval_every: int, margin: int,
-               run_dir: pathlib.Path, max_wall_s: float) -> dict[str, Any]:
+               run_dir: pathlib.Path, max_wall_s: float, level: str = "token") -> dict[str, Any]:
     """The run's config as a plain mapping (for `headrace.config.load(data=...)`)."""
     in_flight_groups = GROUPS_PER_BATCH * (margin + 1)  # the most admission lets run at once
     return {
@@ -82,7 +82,8 @@ def run_config(*, lag: int, correction: str, seed: int, steps: int, eval_every: 
         "weights": {"backend": "memory"},
         "learner": {"groups_per_batch": GROUPS_PER_BATCH, "publish_every": 1, "minibatches": 2,
                     "optimizer": {"lr": 1e-3, "clip_norm": 1.0},
-                    "loss": {"kind": correction, "rho_max": 2.0, "clip_eps": 0.2, "dual_clip": 3.0},
+                    "loss": {"kind": correction, "rho_max": 2.0, "clip_eps": 0.2, "dual_clip": 3.0,
+                             "level": level},
                     "advantage": "grpo", "entropy_coef": 0.03},
         "shapes": {"buckets": [4, 8, 12]},
         "staleness": {"max_policy_lag": lag + margin, "forced_lag": lag, "max_age_s": 0.0},
@@ -200,6 +201,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="staleness.max_policy_lag = k + margin (admission lets actors run "
                              "margin batches further ahead)")
     parser.add_argument("--target-lag", type=int, default=4, help="the lag the targets judge")
+    parser.add_argument("--level", choices=("token", "sequence", "prefix"), default="token",
+                        help="learner.loss.level of every run (where the importance ratio is "
+                             "taken: per token, per sequence, or per decision)")
     parser.add_argument("--max-wall-s", type=float, default=None,
                         help="safety cap per run in seconds, default 900 (120 with --quick); a "
                              "capped run says so in stopped_by")
@@ -262,7 +266,7 @@ def one_run(args, lag: int, correction: str, seed: int, root: pathlib.Path) -> d
     run_dir = root / run_dir_name(lag, correction, seed)
     config = load(data=run_config(lag=lag, correction=correction, seed=seed, steps=args.steps,
                                   eval_every=args.eval_every, margin=args.margin,
-                                  run_dir=run_dir, max_wall_s=args.max_wall_s))
+                                  run_dir=run_dir, max_wall_s=args.max_wall_s, level=args.level))
     summary = train(config, live=False, t0=time.time())
     row = {"lag": lag, "correction": correction, "seed": seed, **read_run(run_dir, summary, lag)}
     if summary.get("errors"):
@@ -311,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             "targets": targets(rows, args.target_lag),
             "settings": {"env": "guess_number", "n": 16, "max_turns": 4, "steps": args.steps,
                          "eval_every": args.eval_every, "margin": args.margin,
+                         "level": args.level,
                          "groups_per_batch": GROUPS_PER_BATCH, "group_size": GROUP_SIZE,
                          "seeds": args.seeds, "lags": args.lags,
                          "corrections": args.corrections,

@@ -239,7 +239,9 @@ class LossConfig:
     rho_max: float = 2.0  # truncation of importance weights (truncated_is, decoupled)
     clip_eps: float = 0.2  # PPO ratio clip
     dual_clip: float = 3.0  # dual-clip bound for negative advantages (0: off)
-    level: Literal["token", "sequence"] = "token"  # importance ratio per token, or per sequence (GSPO)
+    # Importance ratio per token, per sequence (GSPO), or per decision: the product over the
+    # sequence's loss tokens so far (`headrace.learner.losses`).
+    level: Literal["token", "sequence", "prefix"] = "token"
 
     def __post_init__(self):
         _check(self.rho_max >= 1, "learner.loss.rho_max", self.rho_max, "must be >= 1")

@@ -10,7 +10,14 @@ Sequence level (`learner.loss.level: sequence`, GSPO, Zheng et al. 2025): every 
 the geometric mean of its sequence's token ratios, exp(mean over the sequence's loss tokens of the
 log-ratio), shared by all its tokens; clipping and truncation then act on whole sequences. The
 `level` argument of each loss maps a per-token log-ratio to the log-ratio it uses (the identity at
-token level; `sequence_mean` at sequence level), so one function serves both.
+token level; `sequence_mean` at sequence level; `sequence_prefix` at prefix level), so one
+function serves every level.
+
+Prefix level (`learner.loss.level: prefix`, per-decision importance sampling, Precup et al. 2000):
+a token's ratio is the product of the ratios of its sequence's loss tokens up to and including it,
+so it also corrects for the states that earlier actions of a stale policy led to (the turns of a
+multi-turn episode), which a token's own ratio ignores. The earlier factors carry no gradient
+(sg(prod_{j<t} rho_j) * rho_t), so on-policy the gradient is the token-level one.
 """
 
 from __future__ import annotations
@@ -44,6 +51,21 @@ def sequence_mean(values_bt, segment_ids_bt, on_bt):
     sums = jax.ops.segment_sum(values_bt.reshape(-1) * on, key, num_segments=rows * width)
     counts = jax.ops.segment_sum(on, key, num_segments=rows * width)
     return (sums / jnp.maximum(counts, 1.0))[key].reshape(rows, width)
+
+
+def sequence_prefix(values_bt, segment_ids_bt, on_bt):
+    """Per token, the sum of `values` over the loss tokens (`on`) of its sequence up to and
+    including it (segments are contiguous runs of one id within a row; 0 is padding), with the
+    gradient of the token's own value only: sg(prefix - own) + own."""
+    rows, width = values_bt.shape
+    own = values_bt * on_bt.astype(values_bt.dtype)
+    through = jnp.cumsum(own, axis=1)
+    key = (jnp.arange(rows)[:, None] * width + segment_ids_bt).reshape(-1)
+    index = jnp.arange(rows * width)
+    first = jax.ops.segment_min(index, key, num_segments=rows * width)[key]
+    before_segment = (through - own).reshape(-1)[first].reshape(rows, width)
+    earlier = jax.lax.stop_gradient(through - before_segment - own)
+    return earlier + values_bt
 
 
 def no_correction(logp, behaviour, adv, config: LossConfig, prox=None, level=_token):

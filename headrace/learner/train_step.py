@@ -94,9 +94,9 @@ def loss_terms(logp, entropy, mb, config: LearnerConfig, prox_logp=None, ref_log
     policy_loss = losses.LOSSES[config.loss.kind]
     behaviour, adv, weight = (mb[k][:, 1:] for k in ("behaviour_logprobs", "advantages", "weight"))
     level = None
-    if config.loss.level == "sequence":  # one ratio per sequence, over its loss tokens
-        segments, on = mb["segment_ids"][:, 1:], weight > 0
-        level = functools.partial(losses.sequence_mean, segment_ids_bt=segments, on_bt=on)
+    if config.loss.level != "token":  # a ratio over the sequence's loss tokens: all, or so far
+        fn = losses.sequence_mean if config.loss.level == "sequence" else losses.sequence_prefix
+        level = functools.partial(fn, segment_ids_bt=mb["segment_ids"][:, 1:], on_bt=weight > 0)
     per_token, clipped = policy_loss(logp, behaviour, adv, config.loss, prox=prox_logp,
                                      **({"level": level} if level else {}))
     pg_loss = jnp.sum(per_token * weight)

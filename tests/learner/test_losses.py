@@ -93,18 +93,21 @@ def packed(seed: int, rows: int = 4, width: int = 12):
     return segments, on, logp, behaviour, prox, adv
 
 
-def reference_sequence_loss(kind, segments, on, logp, behaviour, adv, prox):
-    """Per token, with every ratio the geometric mean over its sequence's loss tokens (GSPO)."""
+def reference_sequence_loss(kind, segments, on, logp, behaviour, adv, prox, level="sequence"):
+    """Per token, with every ratio the geometric mean over its sequence's loss tokens (GSPO), or
+    (`level="prefix"`) the product over its sequence's loss tokens up to and including it."""
     out = np.zeros_like(logp)
     for r in range(logp.shape[0]):
         for k in set(segments[r].tolist()) - {0}:
             cols = np.flatnonzero(segments[r] == k)
             mask = on[r, cols]
-
-            def seq_log_ratio(x, y, r=r, cols=cols, mask=mask):
-                return float(np.mean((x - y)[r, cols][mask])) if mask.any() else 0.0
-
             for c in cols:
+                def seq_log_ratio(x, y, r=r, cols=cols, mask=mask, c=c):
+                    if level == "prefix":
+                        upto = (mask & (cols < c)) | (cols == c)  # earlier loss tokens, itself
+                        return float(np.sum((x - y)[r, cols][upto]))
+                    return float(np.mean((x - y)[r, cols][mask])) if mask.any() else 0.0
+
                 lp, a = logp[r, c], adv[r, c]
                 if kind == "none":
                     out[r, c] = -a * lp
@@ -133,20 +136,25 @@ def test_sequence_mean_matches_a_loop():
             assert got[r, c] == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
+LEVELS = {"sequence": losses.sequence_mean, "prefix": losses.sequence_prefix}
+
+
+@pytest.mark.parametrize("level_name", sorted(LEVELS))
 @pytest.mark.parametrize("kind", ["none", "truncated_is", "ppo_clip", "decoupled"])
-def test_sequence_level_loss_matches_python_reference(kind):
+def test_sequence_level_loss_matches_python_reference(kind, level_name):
     segments, on, logp, behaviour, prox, adv = packed(4)
-    level = functools.partial(losses.sequence_mean, segment_ids_bt=jnp.asarray(segments),
+    level = functools.partial(LEVELS[level_name], segment_ids_bt=jnp.asarray(segments),
                               on_bt=jnp.asarray(on))
     got, _ = losses.LOSSES[kind](jnp.asarray(logp), jnp.asarray(behaviour), jnp.asarray(adv), CFG,
                                  prox=jnp.asarray(prox), level=level)
-    want = reference_sequence_loss(kind, segments, on, logp, behaviour, adv, prox)
+    want = reference_sequence_loss(kind, segments, on, logp, behaviour, adv, prox, level_name)
     np.testing.assert_allclose(np.where(segments > 0, np.asarray(got), 0), np.where(
         segments > 0, want, 0), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("level_name", sorted(LEVELS))
 @pytest.mark.parametrize("kind", ["truncated_is", "ppo_clip", "decoupled"])
-def test_sequence_level_on_policy_gradient_is_the_token_level_one(kind):
+def test_sequence_level_on_policy_gradient_is_the_token_level_one(kind, level_name):
     """On-policy, a sequence's ratio is 1 and its gradient the mean of its tokens' grad logp: with
     token-mean weights (equal per loss token) the gradient is REINFORCE's."""
     segments, on, _, _, _, adv = packed(5)
@@ -154,7 +162,7 @@ def test_sequence_level_on_policy_gradient_is_the_token_level_one(kind):
     logits = jnp.asarray(rng.normal(size=(*segments.shape, 8)).astype(np.float32))
     actions = jnp.asarray(rng.integers(0, 8, segments.shape))
     weight = jnp.asarray(on / on.sum(), jnp.float32)
-    level = functools.partial(losses.sequence_mean, segment_ids_bt=jnp.asarray(segments),
+    level = functools.partial(LEVELS[level_name], segment_ids_bt=jnp.asarray(segments),
                               on_bt=jnp.asarray(on))
 
     def logp_of(z):
