@@ -84,9 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="headrace-bench-audit-") as tmp:
         root = pathlib.Path(tmp)
 
-        def run(name: str, actors: int, envs: int, trace_rate: float) -> pathlib.Path:
+        def run(name: str, actors: int, envs: int, trace_rate: float,
+                settings: dict | None = None) -> pathlib.Path:
             data = util.base_config(args, root / name)
-            data["run"]["trace_rate"] = trace_rate
+            data["run"].update(trace_rate=trace_rate, **(settings or {}))
             if args.quick:  # a smoke run: one process starts in seconds, not tens of seconds
                 data["run"].update(launcher="threads", learner_cpus=[], actor_cpus=[])
                 data["buffer"]["backend"] = data["weights"]["backend"] = "memory"
@@ -95,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             util.run_training(data)
             return root / name
 
-        measured_dir = run("measure", 1, args.measure_envs, 1.0)
+        # Quick: the measurement stops by steps, since a loaded machine may start slowly.
+        measured_dir = run("measure", 1, args.measure_envs, 1.0,
+                           {"max_steps": 6, "max_wall_s": 120.0} if args.quick else {})
         report = audit.analyze(measured_dir, target=args.target, headroom=args.headroom,
                                duration_s=args.duration, plot=False)
         m = audit.read_run(measured_dir)

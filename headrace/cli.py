@@ -104,7 +104,12 @@ def _bench(args) -> int:
     spec = importlib.util.spec_from_file_location(f"benchmarks.{args.name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return int(module.main(args.args) or 0)
+    from headrace.config import ConfigError
+
+    try:
+        return int(module.main(args.args) or 0)
+    except ConfigError as error:  # a setting, or what a run it made could not support
+        return _fail(str(error))
 
 
 def _simulate(args) -> int:
