@@ -36,9 +36,9 @@ a `finally` when the group is abandoned. The learner calls `learner_update` afte
 every step.
 
 It is a forecast, not a guarantee: episodes finish out of order, and the gate drops (and counts)
-whatever turns out over a limit. Failure modes: a crashed actor stops heartbeating, so its leases expire after
-`lease_ttl_s` and admission resumes without it (its groups, if they ever arrive, are still trained
-or dropped by the gate). An actor that stalls longer than `lease_ttl_s` loses its leases too
+whatever turns out over a limit. Failure modes: a crashed actor stops heartbeating, so its leases
+expire after `lease_ttl_s` and admission resumes without it (its groups, if they ever arrive, are
+still trained or dropped by the gate). An actor that stalls longer than `lease_ttl_s` loses its leases too
 (`heartbeat` returns how many it renewed; `release` of an expired lease returns False).
 """
 
@@ -279,7 +279,7 @@ class InProcessAdmission(Admission):
         self._counts = counts or (lambda: (0, 0))
         self._clock = clock
         self._lock = threading.Lock()
-        self._state = LearnerState()  # `queued` holds the hosts' summed `handled`
+        self._state = LearnerState()  # as reported; `queued` is read in `_read`
         self._handled: dict[str, int] = {}
         self._leases: dict[str, tuple[str, float]] = {}  # lease id -> (actor id, expiry)
 
@@ -295,14 +295,13 @@ class InProcessAdmission(Admission):
         check_name("host", host)
         with self._lock:
             self._handled[host] = handled
-            self._state = LearnerState(version, since_publish, sum(self._handled.values()),
-                                       float(step_s))
+            self._state = LearnerState(version, since_publish, 0, float(step_s))
 
     def _read(self) -> tuple[LearnerState, int]:
         """The learner's state (queued: pending - handled) and the depth; under the lock."""
         depth, pending = self._counts()
-        state = dataclasses.replace(self._state, queued=max(0, pending - self._state.queued))
-        return state, depth
+        queued = max(0, pending - sum(self._handled.values()))
+        return dataclasses.replace(self._state, queued=queued), depth
 
     def learner_state(self) -> LearnerState:
         """What the learner last reported, with the groups it holds untrained (zeros before
