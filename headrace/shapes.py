@@ -57,8 +57,9 @@ def split_rows(count: int, sizes: Sequence[int], max_waste: float = 0.25) -> lis
     Padding `count` up to the next size of a coarse ladder can nearly quadruple the work (300 rows
     on {16, 64, 256, 1024} run as 1024). Instead, while the next size up would add more padding
     rows than `max_waste` of `count`, a call of the largest size that fits is taken and the rest
-    served after it (300 -> 256 + 64). Every call keeps a shape from `sizes`, so nothing new
-    compiles; the extra calls cost little against the padding they save.
+    served after it (300 -> 256 + 64), but only when that at least halves the rows computed;
+    otherwise one padded call (389 -> 512, not 128 x 3 + 8). Every call keeps a shape from
+    `sizes`, so nothing new compiles.
 
     Raises:
       ValueError: `count` exceeds the largest size.
@@ -75,7 +76,10 @@ def split_rows(count: int, sizes: Sequence[int], max_waste: float = 0.25) -> lis
             break
         calls.append(fits[-1])
         left -= fits[-1]
-    return calls
+    up = next(size for size in sizes if size >= count)
+    # Several calls cost more per row than one (dispatch; smaller matmuls): split only where it
+    # at least halves the rows computed (the gaps of a 4x ladder), else pad up as one call.
+    return calls if 2 * sum(calls) <= up else [up]
 
 
 def rows_for_count(count: int) -> int:
