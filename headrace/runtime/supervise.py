@@ -28,7 +28,13 @@ log = logging.getLogger(__name__)
 
 
 class Evaluator:
-    """Greedy evaluation of published versions, on its own thread (never the learner's)."""
+    """Greedy evaluation of published versions, on its own thread (never the learner's).
+
+    The watch loop asks for one when the learner's step (read every half second) crosses a
+    multiple of `run.eval_every`; multiples crossed between two reads are one evaluation, at the
+    newer step. A request still queued when the run stops is evaluated by `drain` before the final one, so
+    stopping loses no evaluation point. One evaluation runs at a time (the sampler is shared).
+    """
 
     def __init__(self, config: Config, task: build.Task, graphdef, weights: WeightStore,
                  metrics: Metrics, t0: float, episodes: Callable[[], float]):
@@ -47,21 +53,26 @@ class Evaluator:
         self.time_to_target_s: float | None = None
         self.reached = threading.Event()
         self._next_step = config.run.eval_every
+        self._lock = threading.Lock()
 
     def maybe_request(self, step: int) -> None:
         """Queues an evaluation of the newest weights when `step` crosses the next eval point."""
-        every = self.config.run.eval_every
+        every, last = self.config.run.eval_every, self.config.run.max_steps
+        if last and step >= last:  # the learner is finishing: the final evaluation covers it
+            return
         if every and step >= self._next_step:
             self._next_step = (step // every + 1) * every
             self.requests.put((step, self.weights.latest_version()))
 
     def evaluate_version(self, step: int, version: int) -> dict[str, float]:
-        self.sampler.set_params(params_lib.from_host(self.weights.load(version)), version)
-        result = evaluate(self.task.make_env, self.task.tokenizer, self.sampler, self.seeds,
-                          self.config.env.step_timeout_s, self.config.actor.max_batch)
-        wall = time.time() - self.t0
-        self.curve.append({"wall_s": round(wall, 2), "step": step, "version": version,
-                           "episodes": self.episodes(), "success_rate": result["success_rate"]})
+        with self._lock:
+            self.sampler.set_params(params_lib.from_host(self.weights.load(version)), version)
+            result = evaluate(self.task.make_env, self.task.tokenizer, self.sampler, self.seeds,
+                              self.config.env.step_timeout_s, self.config.actor.max_batch)
+            wall = time.time() - self.t0
+            self.curve.append({"wall_s": round(wall, 2), "step": step, "version": version,
+                               "episodes": self.episodes(),
+                               "success_rate": result["success_rate"]})
         self.metrics.gauge("eval/success_rate", result["success_rate"])
         if result["success_rate"] >= self.config.run.eval_target and self.time_to_target_s is None:
             self.time_to_target_s = wall
@@ -81,6 +92,19 @@ class Evaluator:
                 self.evaluate_version(step, version)
             except VersionGone:  # pruned meanwhile: the next request will do
                 continue
+
+    def drain(self, before_step: int) -> None:
+        """Evaluates the newest request still queued if its step is before `before_step` (the
+        final evaluation's); called once the run has stopped and `run` has returned."""
+        pending = None
+        while not self.requests.empty():
+            pending = self.requests.get_nowait()
+        if pending is not None and pending[0] < before_step:
+            try:
+                self.evaluate_version(*pending)
+            except VersionGone:
+                log.warning("eval step %d: version %d was pruned before it was evaluated",
+                            *pending)
 
 
 class Background:
@@ -135,7 +159,6 @@ def watch(config: Config, t0: float, *, snapshot: Callable[[], dict[str, float]]
             tick()
             current = snapshot()
             step = int(current.get("learner/step", 0))
-            evaluator.maybe_request(step)
             reporter.report(step, current, time.time() - t0)
             if failed():
                 return "error"
@@ -145,6 +168,7 @@ def watch(config: Config, t0: float, *, snapshot: Callable[[], dict[str, float]]
                 return "max_wall_s"
             if config.run.stop_at_target and evaluator.reached.is_set():
                 return "target"
+            evaluator.maybe_request(step)  # not at the stop: the final evaluation covers it
     except KeyboardInterrupt:
         return "interrupted"
 
@@ -153,6 +177,7 @@ def finish(run_dir: pathlib.Path, t0: float, evaluator: Evaluator, reporter: Rep
            snapshot: dict[str, float], stopped_by: str, errors: list[str]) -> dict[str, Any]:
     """Final greedy evaluation of the last weights, last metrics record, summary.json."""
     step = int(snapshot.get("learner/step", 0))
+    evaluator.drain(step)
     final = evaluator.evaluate_version(step, evaluator.weights.latest_version())
     snapshot = {**snapshot, "eval/success_rate": final["success_rate"]}
     reporter.report(step, snapshot, time.time() - t0, force=True)
