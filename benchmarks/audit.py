@@ -58,14 +58,12 @@ def window_figures(run_dir: pathlib.Path, window_s: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="headrace bench audit", description=__doc__,
                                      parents=[benchlib.bench_parser()])
-    parser.add_argument("--env-latency", type=float, default=2.0, help="seconds per env step")
+    util = _utilization_bench()
+    util.add_workload_args(parser)
     parser.add_argument("--duration", type=float, default=60.0,
                         help="steady-state seconds measured per run")
     parser.add_argument("--measure-envs", type=int, default=256,
                         help="environments of the measurement run")
-    parser.add_argument("--groups-per-batch", type=int, default=32)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--n-layers", type=int, default=4)
     parser.add_argument("--max-policy-lag", type=int, default=4)
     parser.add_argument("--warmup-allowance", type=float, default=45.0,
                         help="seconds allowed for start-up before the measured window")
@@ -78,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
         args.d_model, args.n_layers = 64, 2
     from headrace.audit import audit
 
-    util = _utilization_bench()
     if len(os.sched_getaffinity(0)) >= 2:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[1:])  # core 0 is the learner's
     with tempfile.TemporaryDirectory(prefix="headrace-bench-audit-") as tmp:
@@ -139,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             "recommended_reaches_target": one["measured_utilization"] >= args.target},
         "settings": {"env_latency_s": args.env_latency, "duration_s": args.duration,
                      "groups_per_batch": args.groups_per_batch, "d_model": args.d_model,
-                     "n_layers": args.n_layers, "max_policy_lag": args.max_policy_lag},
+                     "n_layers": args.n_layers, "epochs": args.epochs,
+                     "max_policy_lag": args.max_policy_lag},
     }
     benchlib.emit(result, as_json=args.json, title="latency audit: predicted vs measured")
     return 0

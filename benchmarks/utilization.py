@@ -28,6 +28,7 @@ import time
 from headrace import benchlib
 
 PLACEMENT = {"learner_cpus": [0], "actor_cpus": []}
+EPOCHS = 1
 
 
 def base_config(args, run_dir: pathlib.Path) -> dict:
@@ -51,7 +52,7 @@ def base_config(args, run_dir: pathlib.Path) -> dict:
                    "max_pending": 16 * args.groups_per_batch},
         "weights": {"backend": "dir"},
         "learner": {"groups_per_batch": args.groups_per_batch, "minibatches": 1,
-                    "publish_every": 1, "entropy_coef": 0.03},
+                    "epochs": args.epochs, "publish_every": 1, "entropy_coef": 0.03},
         "shapes": {"buckets": [4, 8, 12]},
         "staleness": {"max_policy_lag": args.max_policy_lag or 4},
     }
@@ -160,14 +161,21 @@ def learner_alone(args, run_dir: pathlib.Path) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="headrace bench utilization", description=__doc__,
-                                     parents=[benchlib.bench_parser()])
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload's settings (`base_config`), shared with `headrace bench audit`."""
     parser.add_argument("--env-latency", type=float, default=2.0, help="seconds per env step")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds per way")
     parser.add_argument("--groups-per-batch", type=int, default=32)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--n-layers", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=EPOCHS,
+                        help="learner.epochs: passes over each batch (updates per trajectory)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="headrace bench utilization", description=__doc__,
+                                     parents=[benchlib.bench_parser()])
+    add_workload_args(parser)
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds per way")
     parser.add_argument("--max-policy-lag", type=int, default=0,
                         help="the staleness limit of sync and async (default: the smallest that "
                              "admits the in-flight groups Little's law calls for)")
@@ -179,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         args.env_latency, args.duration, args.groups_per_batch = 0.05, 5.0, 4
         args.prefill_groups, args.warmup_allowance = 64, 30.0
         args.d_model, args.n_layers = 64, 2
+    if min(args.epochs, args.groups_per_batch) < 1 or args.env_latency < 0:
+        parser.error("--epochs and --groups-per-batch must be >= 1, --env-latency >= 0")
     if len(os.sched_getaffinity(0)) >= 2:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[1:])  # core 0 is the learner's
     with tempfile.TemporaryDirectory(prefix="headrace-bench-") as tmp:
@@ -214,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"env_latency_s": args.env_latency, "duration_s": args.duration,
                      "groups_per_batch": args.groups_per_batch, "group_size": 8,
                      "d_model": args.d_model, "n_layers": args.n_layers,
-                     "learner_cpus": PLACEMENT["learner_cpus"]},
+                     "epochs": args.epochs, "learner_cpus": PLACEMENT["learner_cpus"]},
         "async_over_sync_steps": (result_async["steps_per_s"] / sync["steps_per_s"]
                                   if sync["steps_per_s"] else None),
         "async_over_alone_steps": (result_async["steps_per_s"] / alone["steps_per_s"]

@@ -261,7 +261,8 @@ class LearnerConfig:
     loss_agg: Literal["token_mean", "sequence_mean"] = "token_mean"  # loss aggregation
     entropy_coef: float = 0.0  # entropy bonus weight
     kl_coef: float = 0.0  # KL-to-reference weight (reference: the initial policy)
-    minibatches: int = 1  # optimizer updates per learner step
+    minibatches: int = 1  # optimizer updates per pass over the step's groups
+    epochs: int = 1  # passes over the step's groups (updates per trajectory; PPO's epochs)
     token_budget: int = 0  # tokens per microbatch at most (0: one microbatch per minibatch)
 
     def __post_init__(self):
@@ -269,6 +270,7 @@ class LearnerConfig:
                "must be >= 1")
         _check(self.publish_every >= 1, "learner.publish_every", self.publish_every, "must be >= 1")
         _check(self.minibatches >= 1, "learner.minibatches", self.minibatches, "must be >= 1")
+        _check(self.epochs >= 1, "learner.epochs", self.epochs, "must be >= 1")
         _check(self.groups_per_batch % self.minibatches == 0, "learner.minibatches",
                self.minibatches, f"must divide learner.groups_per_batch={self.groups_per_batch}")
         _check(self.entropy_coef >= 0, "learner.entropy_coef", self.entropy_coef, "must be >= 0")

@@ -7,7 +7,9 @@ step; a batch is trained at the current version, which is what the gate measures
 While the device runs step k, the training thread gathers and builds step k+1's batch from what is
 already queued, gated at the version step k+1 will be trained at (known in advance: one more when
 step k publishes); a waiter thread times step k to its completion, so `learner/step_s` and
-`learner/utilization` count device time, not the overlapped host work.
+`learner/utilization` count device time, not the overlapped host work. Utilisation is the
+steady state's: a step that compiled a new shape is warm-up, left out of it and counted in
+`learner/compile_s`.
 
 Checkpoints and acknowledgement (DESIGN.md, "Buffer contract"). With a checkpointer and
 `run.checkpoint_every` > 0 the learner saves every `checkpoint_every` steps: the train state, and
@@ -115,6 +117,7 @@ class Learner:
         self._queue: queue.Queue[Entry] = queue.Queue(maxsize=2 * lc.groups_per_batch)
         self._first_step_at: float | None = None
         self._busy_s = 0.0
+        self._compile_s = 0.0  # steps that compiled a new shape (warm-up, not utilisation)
         self._tokens = 0
         self.done = threading.Event()
         self.tracer = Tracer(trace_path, weights, metrics)
@@ -327,9 +330,10 @@ class Learner:
                 if upcoming is not None:
                     ahead = upcoming, self._build(upcoming) if self.peers is None else None
             step_metrics, finished = done.result()
-            self._finish_step(step_metrics, finished - start, start, batch)
+            compiled = compiles.compiles("train_step") != compiled
+            self._finish_step(step_metrics, finished - start, start, batch, compiled)
             self.tracer.trained(entries, started, time.time(), self.version, self.step,
-                                compiled=compiles.compiles("train_step") != compiled)
+                                compiled=compiled)
             self.trained_ids.update(e.id for e in entries)
             self._handled("trained", entries)
             self._since_publish += 1
@@ -361,23 +365,30 @@ class Learner:
         with self.metrics.timer("learner/batch_s"):
             return self.batcher.build([e.group for e in entries])
 
-    def _finish_step(self, step_metrics: dict, elapsed: float, start: float, batch) -> None:
-        """Records a completed step (`elapsed`: dispatch to completion)."""
+    def _finish_step(self, step_metrics: dict, elapsed: float, start: float, batch,
+                     compiled: bool) -> None:
+        """Records a completed step (`elapsed`: dispatch to completion; `compiled`: a new shape
+        was compiled during it)."""
         if self._first_step_at is None:
             self._first_step_at = start
         self.step += 1
-        self._busy_s += elapsed
+        if compiled:  # warm-up, not steady state: left out of utilisation (`learner/compile_s`)
+            self._compile_s += elapsed
+        else:
+            self._busy_s += elapsed
         self._tokens += batch.real_tokens
         wall = time.perf_counter() - self._first_step_at
         m = self.metrics
         m.observe("learner/step_s", elapsed)
-        m.gauge("learner/utilization", self._busy_s / wall)
+        m.gauge("learner/utilization", self.utilization)
+        m.gauge("learner/compile_s", self._compile_s)
         m.gauge("learner/tokens_per_s", self._tokens / wall)
         m.gauge("learner/steps_per_s", self.step / wall)
         m.gauge("learner/step", self.step)
         m.gauge("learner/version", self.version)
         m.gauge("learner/compiles", compiles.compiles("train_step"))
-        m.gauge("learner/updates_per_trajectory", 1.0)  # each trajectory is in one minibatch
+        # each trajectory is in one minibatch of each epoch
+        m.gauge("learner/updates_per_trajectory", float(self.config.learner.epochs))
         for name, value in step_metrics.items():
             m.gauge(name, float(value))
 
@@ -495,6 +506,9 @@ class Learner:
 
     @property
     def utilization(self) -> float:
+        """Busy share of the time since the first step began, steps that compiled left out of
+        both (a compile is warm-up: the time it took is `learner/compile_s`)."""
         if self._first_step_at is None:
             return 0.0
-        return self._busy_s / max(time.perf_counter() - self._first_step_at, 1e-9)
+        window = time.perf_counter() - self._first_step_at - self._compile_s
+        return self._busy_s / max(window, 1e-9)

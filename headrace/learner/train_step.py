@@ -6,7 +6,9 @@ accumulator and, on the last microbatch of a minibatch, applies one optimizer up
 accumulator (a `lax.cond` inside the program, so the update costs no extra compilation). Because
 the batcher normalises each token's `weight` over the whole minibatch, the summed gradient is the
 minibatch gradient exactly. Programs are compiled once per microbatch shape: a learner compiles at
-most as many as its shape policy has shapes (`learner/compiles` counts them).
+most as many as its shape policy has shapes (`learner/compiles` counts them). With
+`learner.epochs` E > 1 a step runs its microbatches E times over, on the same device arrays: E
+optimizer updates per minibatch, so each trajectory is in E updates (PPO's epochs).
 
 Token arrays are aligned with `tokens`: the log-prob of token t comes from the logits at t-1, so
 the loss uses positions 1..L-1; the batcher gives the first token of every segment weight 0, so no
@@ -242,7 +244,9 @@ class TrainStep:
 
     def __call__(self, state: TrainState, batch: Batch,
                  sync: bool = False) -> tuple[TrainState, dict[str, Any]]:
-        """One learner step: `batch.updates` optimizer updates. An empty batch changes nothing.
+        """One learner step: `batch.updates` optimizer updates per epoch (`learner.epochs`
+        passes over the batch; the decoupled proximal policy is the step's starting weights). An
+        empty batch changes nothing.
 
         Args:
           sync: wait for each microbatch before dispatching the next (benchmarks: the compilation
@@ -259,13 +263,16 @@ class TrainStep:
             self._acc = self._placed_accum(zero_accum(state, self.decoupled))
         if self._step is None:
             self._step = self._compile((state, self._acc))
-        per_update = np.float32(1.0 / max(batch.updates, 1))
+        epochs = self.config.epochs  # the same device arrays, pass after pass
+        per_update = np.float32(1.0 / max(batch.updates * epochs, 1))
         carry, metrics = (state, self._acc), {}
-        for i, (mb, mb_arrays) in enumerate(zip(batch.microbatches, arrays)):
-            carry, metrics = self._step(carry, mb_arrays, np.bool_(i == 0), np.bool_(mb.last),
-                                        per_update)
-            if sync:
-                jax.block_until_ready(carry)  # deliberate sync (measurement only)
+        for epoch in range(epochs):
+            for i, (mb, mb_arrays) in enumerate(zip(batch.microbatches, arrays)):
+                first = np.bool_(epoch == 0 and i == 0)
+                carry, metrics = self._step(carry, mb_arrays, first, np.bool_(mb.last),
+                                            per_update)
+                if sync:
+                    jax.block_until_ready(carry)  # deliberate sync (measurement only)
         state, self._acc = carry
         return state, metrics
 

@@ -161,6 +161,36 @@ def test_microbatch_gradients_sum_to_the_minibatch_gradient():
         assert m_single[key] == pytest.approx(m_micro[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.timeout(120)
+def test_epochs_are_passes_over_the_same_batch():
+    """`learner.epochs = 2` updates exactly like two steps on the same batch (ppo_clip: the old
+    policy is the behaviour's, so each pass's loss depends only on the current weights); its
+    metrics average over all four updates."""
+    groups = make_groups([[5, 9, 14, 30], [3, 8, 21, 12]])
+    dims = ModelDims(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
+    graphdef, params = params_lib.init(dims, 0)
+    for g in groups:
+        for t in g.trajectories:
+            t.tokens[0] = t.tokens[0] % 32
+    runs = {}
+    for epochs, steps in ((2, 1), (1, 2)):
+        cfg = LearnerConfig(groups_per_batch=2, minibatches=2, epochs=epochs,
+                            loss=LossConfig(kind="ppo_clip"), entropy_coef=0.01)
+        batch = Batcher(cfg, ShapesConfig(buckets=(16, 32)), Metrics()).build(groups)
+        optimizer = make_optimizer(cfg.optimizer)
+        state = init_state(jax.tree.map(np.array, params), optimizer, 0.0)
+        step, grad_norms = make_train_step(graphdef, cfg, 1.0, optimizer), []
+        for _ in range(steps):
+            state, metrics = step(state, batch)
+            grad_norms.append(float(metrics["learner/grad_norm"]))
+        runs[epochs] = jax.device_get(state), float(metrics["learner/grad_norm"]), grad_norms
+    (two_epochs, norm_two, _), (two_steps, _, norms) = runs[2], runs[1]
+    assert int(two_epochs.step) == int(two_steps.step) == 4
+    for a, b in zip(jax.tree.leaves(two_epochs.params), jax.tree.leaves(two_steps.params)):
+        np.testing.assert_allclose(a, b, atol=2e-6)
+    assert norm_two == pytest.approx(sum(norms) / 2, rel=1e-4)  # the mean over four updates
+
+
 # --- prefetching ---------------------------------------------------------------------------------
 
 
