@@ -29,6 +29,7 @@ from headrace import benchlib
 
 PLACEMENT = {"learner_cpus": [0], "actor_cpus": []}
 EPOCHS = 1
+QUICK_STEPS = 8
 
 
 def base_config(args, run_dir: pathlib.Path) -> dict:
@@ -38,7 +39,8 @@ def base_config(args, run_dir: pathlib.Path) -> dict:
         # The window is measured from the first trained batch; start-up (spawning, compiling) is
         # reported as warmup_s and given its own allowance here.
         "run": {"dir": str(run_dir), "max_wall_s": args.duration + args.warmup_allowance,
-                "eval_every": 0,
+                # --quick (a smoke run for the tests) stops by steps, not by the wall-clock cap
+                "max_steps": QUICK_STEPS if quick else 0, "eval_every": 0,
                 "log_every": 1, "launcher": "processes", **PLACEMENT},
         "env": {"name": "guess_number", "kwargs": {"n": 32, "max_turns": 5},
                 "latency": {"kind": "lognormal", "seconds": args.env_latency, "sigma": 0.25},

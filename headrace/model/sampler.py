@@ -5,10 +5,12 @@ tokens and their log-probabilities **under the temperature-scaled, untruncated d
 distribution the learner evaluates); top-k, top-p and the action constraint only choose the token.
 
 Shapes come from a bounded set: rows are served in calls whose sizes come from a coarse ladder
-(`max_batch`, `max_batch / 4`, ...; `shapes.split_rows` keeps padding under ~25 %), contexts
-are left-padded to the smallest length bucket that holds them, and every call generates exactly
-`max_new_tokens` steps (rows that hit a stop token keep running, masked). So the number of compiled
-programs is at most |batch sizes| x |buckets| per decoding mode (sampled, greedy).
+(`max_batch`, `max_batch / 4`, ...; `shapes.split_rows` splits a bucket's rows where that at least
+halves the rows computed, else pads them into one call), contexts are left-padded to the smallest
+length bucket that holds them, and every call generates exactly `max_new_tokens` steps (rows that
+hit a stop token keep running, masked). So the number of compiled programs is at most
+|batch sizes| x |buckets| per decoding mode (sampled, greedy). The prefill computes the last
+layer's queries, feed-forward and logits at the last position only (`Transformer(last_only=True)`).
 
 Failure modes: a context that cannot fit (`len + max_new_tokens > largest bucket`) raises
 `PromptTooLong` before any device work; the caller ends that episode as truncated.
@@ -84,7 +86,8 @@ def _generate(graphdef, params, tokens_bp, valid_bp, rng, temperature, top_p, al
     positions_bp = jnp.maximum(jnp.cumsum(valid_bp, axis=1) - 1, 0)
     causal_qk = jnp.arange(p)[None, :] <= jnp.arange(p)[:, None]
     if max_new == 1:  # one token per turn: a plain forward, no cache to write
-        logits_bpv, _ = model(tokens_bp, positions_bp, valid_bp[:, None, :] & causal_qk[None])
+        logits_bpv, _ = model(tokens_bp, positions_bp, valid_bp[:, None, :] & causal_qk[None],
+                              last_only=True)  # contexts are left-padded: -1 is the last token
         rng, sub = jax.random.split(rng)
         token_b, logp_b = choose(logits_bpv[:, -1], sub, temperature, top_p, allowed_v)
         return token_b[:, None], logp_b[:, None], jnp.ones((b,), jnp.int32), rng
@@ -94,7 +97,7 @@ def _generate(graphdef, params, tokens_bp, valid_bp, rng, temperature, top_p, al
     key_valid_bs = jnp.concatenate([valid_bp, jnp.zeros((b, max_new), bool)], axis=1)
     prefill_mask_bqk = key_valid_bs[:, None, :] & (slot_s[None, None, :] <= jnp.arange(p)[None, :, None])
     logits_bpv, cache = model(tokens_bp, positions_bp, prefill_mask_bqk,
-                              model.init_cache(b, slots), 0)
+                              model.init_cache(b, slots), 0, last_only=True)
     next_pos_b = positions_bp[:, -1] + 1
 
     def step(carry, t):

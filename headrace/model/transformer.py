@@ -5,6 +5,9 @@ One forward function serves training and sampling. Attention takes an explicit b
 segment for packed training rows, or "written cache slots up to the query" while decoding. With a
 `cache` (per layer a key and a value array of S slots) the new keys and values are written at
 `cache_index` and attention runs over all S slots; without one it runs over the input itself.
+With `last_only` (sampling: only the next token's distribution is needed) the last layer computes
+keys and values for every position but queries, feed-forward and logits for the last one alone;
+the logits are then `[b, 1, v]` (at a large vocabulary that projection dominates a prefill).
 
 Letters in names: b batch, t/q query positions, k/s key slots, d model width, h query heads,
 g kv heads, r query heads per kv head, e head size, f feed-forward width, v vocabulary.
@@ -82,11 +85,17 @@ class Attention(nnx.Module):
         self.v = _dense(dims.d_model, dims.n_kv_heads * e, dtype, rngs)
         self.o = _dense(dims.n_heads * e, dims.d_model, dtype, rngs)
 
-    def __call__(self, x_btd, positions_bt, mask_bqk, cache_kv=None, cache_index=None):
+    def __call__(self, x_btd, positions_bt, mask_bqk, cache_kv=None, cache_index=None,
+                 last_only: bool = False):
         d = self.dims
         b, t, _ = x_btd.shape
         e, g, r = d.head_dim, d.n_kv_heads, d.n_heads // d.n_kv_heads
-        q_bthe = rope(self.q(x_btd).reshape(b, t, d.n_heads, e), positions_bt)
+        if last_only:  # queries of the last position alone; keys and values of all of them
+            t_q, mask_bqk = 1, mask_bqk[:, -1:]
+            q_bthe = rope(self.q(x_btd[:, -1:]).reshape(b, 1, d.n_heads, e), positions_bt[:, -1:])
+        else:
+            t_q = t
+            q_bthe = rope(self.q(x_btd).reshape(b, t, d.n_heads, e), positions_bt)
         k_btge = rope(self.k(x_btd).reshape(b, t, g, e), positions_bt)
         v_btge = self.v(x_btd).reshape(b, t, g, e)
         if cache_kv is not None:
@@ -96,13 +105,13 @@ class Attention(nnx.Module):
             cache_kv = (k_bsge, v_bsge)
         else:
             k_bsge, v_bsge = k_btge, v_btge
-        q_btgre = q_bthe.reshape(b, t, g, r, e)
+        q_btgre = q_bthe.reshape(b, t_q, g, r, e)
         scores_bgrts = jnp.einsum("btgre,bsge->bgrts", q_btgre, k_bsge).astype(jnp.float32)
         scores_bgrts = scores_bgrts * (e**-0.5)
         scores_bgrts = jnp.where(mask_bqk[:, None, None], scores_bgrts, -1e30)
         probs_bgrts = jax.nn.softmax(scores_bgrts, axis=-1).astype(x_btd.dtype)
         out_btgre = jnp.einsum("bgrts,bsge->btgre", probs_bgrts, v_bsge)
-        return self.o(out_btgre.reshape(b, t, d.n_heads * e)), cache_kv
+        return self.o(out_btgre.reshape(b, t_q, d.n_heads * e)), cache_kv
 
 
 class SwiGLU(nnx.Module):
@@ -124,10 +133,11 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(dims.d_model, dtype=dtype)
         self.mlp = SwiGLU(dims, dtype, rngs)
 
-    def __call__(self, x_btd, positions_bt, mask_bqk, cache_kv=None, cache_index=None):
+    def __call__(self, x_btd, positions_bt, mask_bqk, cache_kv=None, cache_index=None,
+                 last_only: bool = False):
         h_btd, cache_kv = self.attn(self.attn_norm(x_btd), positions_bt, mask_bqk, cache_kv,
-                                    cache_index)
-        x_btd = x_btd + h_btd
+                                    cache_index, last_only)
+        x_btd = (x_btd[:, -1:] if last_only else x_btd) + h_btd
         return x_btd + self.mlp(self.mlp_norm(x_btd)), cache_kv
 
 
@@ -144,12 +154,13 @@ class Transformer(nnx.Module):
         self.unembed = _dense(dims.d_model, dims.vocab_size, dtype, rngs)
 
     def __call__(self, tokens_bt, positions_bt, mask_bqk, cache: KVCache | None = None,
-                 cache_index=None):
+                 cache_index=None, last_only: bool = False):
         x_btd = self.embed(tokens_bt)
         new_cache = []
         for i, layer in enumerate(self.layers):
             x_btd, kv = layer(x_btd, positions_bt, mask_bqk,
-                              None if cache is None else cache[i], cache_index)
+                              None if cache is None else cache[i], cache_index,
+                              last_only and i == len(self.layers) - 1)
             new_cache.append(kv)
         logits_btv = self.unembed(self.final_norm(x_btd)).astype(jnp.float32)
         return logits_btv, (new_cache if cache is not None else None)

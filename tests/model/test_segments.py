@@ -69,3 +69,27 @@ def test_packed_logprobs_equal_solo_logprobs():
                 seen.add(trajectory.trajectory_id)
     assert len(seen) == len(lengths)
     assert packed_rows >= 2, "the test should pack several trajectories into some rows"
+
+
+def test_last_only_logits_are_the_last_row_of_the_full_forward():
+    """`last_only` (the sampler's prefill) gives the full forward's last-position logits, and the
+    same cache, with or without one."""
+    dims = ModelDims(vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64)
+    graphdef, params = params_lib.init(dims, 0)
+    model = params_lib.merge(graphdef, params)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(1, VOCAB, (3, 7)).astype(np.int32)
+    valid = np.ones((3, 7), bool)
+    valid[0, :3] = valid[2, :1] = False  # left padding, as the sampler lays contexts out
+    positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0)
+    mask = valid[:, None, :] & np.tril(np.ones((7, 7), bool))[None]
+    full, _ = model(tokens, positions, mask)
+    last, _ = model(tokens, positions, mask, last_only=True)
+    assert last.shape == (3, 1, VOCAB)
+    np.testing.assert_allclose(last[:, 0], full[:, -1], rtol=1e-5, atol=1e-5)
+    slots_mask = np.concatenate([mask, np.zeros((3, 7, 2), bool)], axis=2)  # 9 cache slots
+    _, cache_full = model(tokens, positions, slots_mask, model.init_cache(3, 9), 0)
+    _, cache_last = model(tokens, positions, slots_mask, model.init_cache(3, 9), 0,
+                          last_only=True)
+    for a, b in zip(jax.tree.leaves(cache_full), jax.tree.leaves(cache_last)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
