@@ -29,6 +29,7 @@ import tempfile
 from headrace import benchlib
 
 MULTIPLIERS = (0.25, 1.0, 2.0)
+QUICK_GROUPS = 16  # --quick: pools of at most this many groups at 1x
 
 
 def _utilization_bench():
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         rec = report["recommendation"]
         cap = rec["envs_per_actor_cap"]
         total = rec["actors"] * rec["envs_per_actor"]
+        if args.quick:  # a smoke run's six-step measurement sizes nothing real: keep pools small
+            total = min(total, 8 * QUICK_GROUPS)
         points = []
         for factor in MULTIPLIERS:
             actors, per = audit.split_pool(int(total * factor), cap, m.group_size)
