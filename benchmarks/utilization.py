@@ -77,6 +77,7 @@ def read_run(run_dir: pathlib.Path, start: float) -> dict:
         "updates_per_trajectory": last.get("learner/updates_per_trajectory", 0.0),
         "lag_mean": last.get("staleness/lag_mean", 0.0),
         "in_flight_mean": sum(in_flight) / len(in_flight) if in_flight else 0.0,
+        "dropped_lag": int(last.get("staleness/dropped_lag", 0)),  # groups the gate dropped
         "warmup_s": first_time - start,
         "steps": last.get("step", 0),
         "episode_s_mean": last.get("actor/episode_s_mean", float("nan")),
@@ -156,6 +157,7 @@ def learner_alone(args, run_dir: pathlib.Path) -> dict:
         "updates_per_trajectory": metrics.get("learner/updates_per_trajectory", 0.0),
         "lag_mean": 0.0,
         "in_flight_mean": 0.0,
+        "dropped_lag": int(metrics.get("staleness/dropped_lag", 0)),
         "warmup_s": (first or float("nan")) - start,
         "steps": metrics.get("learner/step", 0),
         "step_s_p50": metrics.get("learner/step_s_p50", float("nan")),
@@ -166,7 +168,8 @@ def learner_alone(args, run_dir: pathlib.Path) -> dict:
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The workload's settings (`base_config`), shared with `headrace bench audit`."""
     parser.add_argument("--env-latency", type=float, default=2.0, help="seconds per env step")
-    parser.add_argument("--groups-per-batch", type=int, default=32)
+    parser.add_argument("--groups-per-batch", type=int, default=16,
+                        help="groups per learner step (16: a step of ~0.3 s with the default model)")
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--n-layers", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=EPOCHS,

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 WAY_KEYS = ("learner_utilization", "steps_per_s", "trajectories_per_s", "updates_per_trajectory",
-            "lag_mean", "in_flight_mean", "warmup_s")
+            "lag_mean", "in_flight_mean", "dropped_lag", "warmup_s")
 
 
 @pytest.mark.timeout(600)
