@@ -32,8 +32,9 @@ class Evaluator:
 
     The watch loop asks for one when the learner's step (read every half second) crosses a
     multiple of `run.eval_every`; multiples crossed between two reads are one evaluation, at the
-    newer step. A request still queued when the run stops is evaluated by `drain` before the final one, so
-    stopping loses no evaluation point. One evaluation runs at a time (the sampler is shared).
+    newer step. A request still queued when the run stops is evaluated by `drain` before the
+    final one, so stopping loses no evaluation point. One evaluation runs at a time (the sampler
+    is shared).
     """
 
     def __init__(self, config: Config, task: build.Task, graphdef, weights: WeightStore,
