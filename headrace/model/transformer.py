@@ -90,12 +90,10 @@ class Attention(nnx.Module):
         d = self.dims
         b, t, _ = x_btd.shape
         e, g, r = d.head_dim, d.n_kv_heads, d.n_heads // d.n_kv_heads
-        if last_only:  # queries of the last position alone; keys and values of all of them
-            t_q, mask_bqk = 1, mask_bqk[:, -1:]
-            q_bthe = rope(self.q(x_btd[:, -1:]).reshape(b, 1, d.n_heads, e), positions_bt[:, -1:])
-        else:
-            t_q = t
-            q_bthe = rope(self.q(x_btd).reshape(b, t, d.n_heads, e), positions_bt)
+        x_bqd = x_btd[:, -1:] if last_only else x_btd  # queries: the last position, or all
+        t_q = x_bqd.shape[1]
+        q_bthe = rope(self.q(x_bqd).reshape(b, t_q, d.n_heads, e), positions_bt[:, -t_q:])
+        mask_bqk = mask_bqk[:, -t_q:]
         k_btge = rope(self.k(x_btd).reshape(b, t, g, e), positions_bt)
         v_btge = self.v(x_btd).reshape(b, t, g, e)
         if cache_kv is not None:
