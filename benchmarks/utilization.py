@@ -28,7 +28,6 @@ import time
 from headrace import benchlib
 
 PLACEMENT = {"learner_cpus": [0], "actor_cpus": []}
-EPOCHS = 1
 QUICK_STEPS = 8
 
 
@@ -169,10 +168,11 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The workload's settings (`base_config`), shared with `headrace bench audit`."""
     parser.add_argument("--env-latency", type=float, default=2.0, help="seconds per env step")
     parser.add_argument("--groups-per-batch", type=int, default=16,
-                        help="groups per learner step (16: a step of ~0.3 s with the default model)")
+                        help="groups per learner step (16: a step of ~0.3 s with the default "
+                             "model)")
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--n-layers", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=EPOCHS,
+    parser.add_argument("--epochs", type=int, default=1,
                         help="learner.epochs: passes over each batch (updates per trajectory)")
 
 

@@ -76,10 +76,10 @@ def split_rows(count: int, sizes: Sequence[int], max_waste: float = 0.25) -> lis
             break
         calls.append(fits[-1])
         left -= fits[-1]
-    up = next(size for size in sizes if size >= count)
+    whole = next(size for size in sizes if size >= count)
     # Several calls cost more per row than one (dispatch; smaller matmuls): split only where it
     # at least halves the rows computed (the gaps of a 4x ladder), else pad up as one call.
-    return calls if 2 * sum(calls) <= up else [up]
+    return calls if 2 * sum(calls) <= whole else [whole]
 
 
 def rows_for_count(count: int) -> int:

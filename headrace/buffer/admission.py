@@ -38,8 +38,8 @@ every step.
 It is a forecast, not a guarantee: episodes finish out of order, and the gate drops (and counts)
 whatever turns out over a limit. Failure modes: a crashed actor stops heartbeating, so its leases
 expire after `lease_ttl_s` and admission resumes without it (its groups, if they ever arrive, are
-still trained or dropped by the gate). An actor that stalls longer than `lease_ttl_s` loses its leases too
-(`heartbeat` returns how many it renewed; `release` of an expired lease returns False).
+still trained or dropped by the gate). An actor that stalls longer than `lease_ttl_s` loses its
+leases too (`heartbeat` returns how many it renewed; `release` of an expired lease returns False).
 """
 
 from __future__ import annotations
