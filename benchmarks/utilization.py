@@ -28,6 +28,8 @@ import time
 from headrace import benchlib
 
 PLACEMENT = {"learner_cpus": [0], "actor_cpus": []}
+MAX_TURNS, SIGMA = 5, 0.25  # guess_number's turns per episode; the env latency's lognormal sigma
+TURN_INFERENCE_S = 0.1  # a turn's wait for its batched policy call, on top of the env step
 QUICK_STEPS = 8
 
 
@@ -41,8 +43,8 @@ def base_config(args, run_dir: pathlib.Path) -> dict:
                 # --quick (a smoke run for the tests) stops by steps, not by the wall-clock cap
                 "max_steps": QUICK_STEPS if quick else 0, "eval_every": 0,
                 "log_every": 1, "launcher": "processes", **PLACEMENT},
-        "env": {"name": "guess_number", "kwargs": {"n": 32, "max_turns": 5},
-                "latency": {"kind": "lognormal", "seconds": args.env_latency, "sigma": 0.25},
+        "env": {"name": "guess_number", "kwargs": {"n": 32, "max_turns": MAX_TURNS},
+                "latency": {"kind": "lognormal", "seconds": args.env_latency, "sigma": SIGMA},
                 "step_timeout_s": max(30.0, 20 * args.env_latency)},
         "model": {"preset": "custom", "d_model": 64 if quick else args.d_model,
                   "n_layers": 2 if quick else args.n_layers, "n_heads": 4, "n_kv_heads": 2,
@@ -200,17 +202,22 @@ def main(argv: list[str] | None = None) -> int:
         root = pathlib.Path(tmp)
         alone = learner_alone(args, root / "alone")
         consume_groups_per_s = alone["steps_per_s"] * args.groups_per_batch
-        # Little's law: groups in flight = consume rate x group latency (turns x step latency).
-        turns = 4.0  # guess_number episodes of a learning policy average ~4 of their 5 turns
-        episode_s = turns * args.env_latency + 0.05
+        # Little's law: groups in flight = consume rate x group latency. A minute of training
+        # leaves most episodes at their full 5 turns; a turn is a lognormal env step (mean
+        # median x exp(sigma^2 / 2)) plus its wait for a batched policy call.
+        step_mean_s = args.env_latency * math.exp(SIGMA**2 / 2)
+        episode_s = MAX_TURNS * (step_mean_s + TURN_INFERENCE_S)
         needed = consume_groups_per_s * episode_s
         headroom = 1.25
         slots = max(1, math.ceil(needed * headroom))
         # Admission lets at most about (max_policy_lag + 1) batches be in flight or queued (a
         # group must be trained within the lag limit of the weights it started with), so the limit
-        # must admit the in-flight count sized above, or no pool can keep the learner busy.
+        # must admit the in-flight count sized above, or no pool can keep the learner busy. It
+        # admits twice that: a group's lag also counts its slowest episode and its wait in the
+        # buffer, and a limit that binds drops groups the pool has already paid for. The pool, not
+        # the limit, then bounds what is in flight.
         args.max_policy_lag = args.max_policy_lag or max(
-            4, math.ceil(slots / args.groups_per_batch) - 1)
+            4, math.ceil(2 * slots / args.groups_per_batch) - 1)
         sync_data = base_config(args, root / "sync")
         sync_data["run"]["mode"] = "sync"
         sync_data["actor"]["envs_per_actor"] = 8 * max(args.groups_per_batch, 1)

@@ -36,6 +36,7 @@ from headrace.weights.base import WeightStore
 log = logging.getLogger(__name__)
 
 MAX_THREADS = 512  # blocking environment steps in flight per actor at most
+MAX_PUTS = 16  # buffer puts in flight per actor at most (each holds a Redis connection)
 PUT_SLICE_S = 0.25  # longest a put blocks before the stop event is checked again
 
 
@@ -76,6 +77,10 @@ class Actor:
                           "top_k": config.sampling.top_k, "top_p": config.sampling.top_p}
         self._blocked_s = 0.0
         self._in_flight = 0
+        # Created on the actor's event loop (`_main`): one slot polls admission, the rest queue.
+        self._admit_turn: asyncio.Lock | None = None
+        self._p90, self._p90_at = None, float("-inf")  # episode-time p90 for admission, cached
+        self._puts: asyncio.Semaphore | None = None
         self._started = time.monotonic()
 
     def run(self) -> None:
@@ -88,6 +93,7 @@ class Actor:
         pool = concurrent.futures.ThreadPoolExecutor(min(actor.envs_per_actor + 4, MAX_THREADS),
                                                      thread_name_prefix=f"{self.actor_id}-io")
         asyncio.get_running_loop().set_default_executor(pool)
+        self._admit_turn, self._puts = asyncio.Lock(), asyncio.Semaphore(MAX_PUTS)
         sync = self._sync = WeightSync(self.weights, self.sampler, self.metrics,
                                        self.config.staleness.forced_lag)
         while not sync.refresh(force=True):  # version 0 is published before actors start
@@ -155,22 +161,34 @@ class Actor:
                     self.admission.release(lease)
 
     async def _admit(self):
-        """Waits for admission (DESIGN.md "Admission"); None when there is none, or on stop."""
+        """Waits for admission (DESIGN.md "Admission"); None when there is none, or on stop.
+
+        Slots queue for their turn (first come, first served) and only the slot at the head polls
+        the store: hundreds of slots polling at once would spend the actor's core, and the
+        store's, on refusals.
+        """
         if self.admission is None:
             return None
+        start = time.monotonic()
 
         def weights_version() -> int:
             self._sync.refresh()  # refused for old weights: newer ones may be out
             return self.sampler.version
 
-        def p90_episode_s() -> float | None:
-            dist = self.metrics.distribution("actor/episode_s")
-            return dist.quantiles((0.9,))[0] if dist is not None and dist.count >= 8 else None
+        def p90_episode_s() -> float | None:  # a quantile costs a sort: once a second is enough
+            now = time.monotonic()
+            if now - self._p90_at >= 1.0:
+                dist = self.metrics.distribution("actor/episode_s")
+                self._p90 = (dist.quantiles((0.9,))[0] if dist is not None and dist.count >= 8
+                             else None)
+                self._p90_at = now
+            return self._p90
 
-        admitted = await wait_admit(self.admission, self.actor_id, weights_version,
-                                    stop=self.stop, p90_episode_s=p90_episode_s,
-                                    poll_s=0.005, max_poll_s=0.05)
-        self.metrics.observe("actor/admission_wait_s", admitted.wait_s)
+        async with self._admit_turn:
+            admitted = await wait_admit(self.admission, self.actor_id, weights_version,
+                                        stop=self.stop, p90_episode_s=p90_episode_s,
+                                        poll_s=0.005, max_poll_s=0.05)
+        self.metrics.observe("actor/admission_wait_s", time.monotonic() - start)
         return admitted.lease
 
     def _record(self, results: list[EpisodeResult]) -> None:
@@ -197,7 +215,8 @@ class Actor:
             for t in group.trajectories:
                 t.timings["put"] = put_at
             try:
-                await asyncio.to_thread(self.buffer.put, [group], PUT_SLICE_S)
+                async with self._puts:
+                    await asyncio.to_thread(self.buffer.put, [group], PUT_SLICE_S)
                 self.metrics.observe("actor/put_s", time.perf_counter() - call_start)
                 break
             except BufferFull:

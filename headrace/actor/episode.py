@@ -85,9 +85,10 @@ async def run_episode(env: Env, seed: int, policy: BatchedPolicy, tokenizer: Tok
                 if inline:  # microseconds of pure Python: nothing to wait for or time out
                     obs, r, terminated, truncated, info = env.step(action)
                 else:
+                    # asyncio.timeout arms one timer; wait_for would start a task per step
                     with policy.stepping_away():
-                        obs, r, terminated, truncated, info = await asyncio.wait_for(
-                            _step(env, action), step_timeout_s)
+                        async with asyncio.timeout(step_timeout_s):
+                            obs, r, terminated, truncated, info = await _step(env, action)
                 metrics.observe("actor/env_s", time.perf_counter() - start)
                 if trace:
                     steps.append((started_at, time.time()))

@@ -74,6 +74,7 @@ class WordTokenizer:
             raise TokenizerError(f"word {error.args[0]!r} is not in the task vocabulary") from None
 
     def decode(self, ids: Sequence[int]) -> str:
+        ids = ids.tolist() if isinstance(ids, np.ndarray) else ids  # Python ints index faster
         return " ".join(self.words[i] for i in ids if len(SPECIALS) <= i < len(self.words))
 
     def ids_of(self, words: Sequence[str]) -> tuple[int, ...]:

@@ -6,6 +6,7 @@ import time
 import pytest
 
 from headrace.actor.actor import Actor
+from headrace.buffer.admission import AdmissionLimits, InProcessAdmission
 from headrace.buffer.memory import MemoryBuffer
 from headrace.config import load
 from headrace.metrics.core import Metrics
@@ -67,3 +68,53 @@ def test_invalid_action_ends_episode_with_zero_reward():
     env.reset(0)
     obs, reward, terminated, truncated, info = env.step("99")
     assert terminated and reward == 0.0 and info["invalid_action"]
+
+
+class CountingAdmission(InProcessAdmission):
+    """Counts its decisions."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def _decide(self, *args, **kwargs):
+        self.calls += 1
+        return super()._decide(*args, **kwargs)
+
+
+@pytest.mark.timeout(120)
+def test_waiting_slots_queue_and_only_the_first_polls_admission():
+    """Refused slots wait their turn: the actor's polls are one waiter's, not one per slot."""
+    config = load(data={
+        "env": {"name": "guess_number", "kwargs": {"n": 8, "max_turns": 2}},
+        "actor": {"envs_per_actor": 64, "group_size": 2, "max_batch": 64},
+        "staleness": {"max_policy_lag": 1},
+        "sampling": {"max_new_tokens": 1}, "shapes": {"buckets": [8]}, "model": {"max_len": 8}})
+    task = build.build_task(config)
+    graphdef, params = build.init_params(config, task)
+    weights = MemoryWeightStore(2)
+    weights.publish(params_lib.to_host(params), 0)
+    buffer = MemoryBuffer(capacity=1000)
+    admission = CountingAdmission(AdmissionLimits.from_config(config), counts=buffer.counts)
+    admission.learner_update(version=10, since_publish=0, handled=0, step_s=0.1)  # v0 too old
+    metrics, stop = Metrics(), threading.Event()
+    actor = Actor(config, "a0", task.make_env, task.tokenizer,
+                  build.make_sampler(config, task, graphdef, seed=0), buffer, weights, metrics,
+                  stop, admission)
+    thread = threading.Thread(target=actor.run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while admission.calls == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = admission.calls
+        time.sleep(1.0)
+        polls = admission.calls - first
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert buffer.depth() == 0  # nothing was admitted
+    # One waiter backs off from 5 to 50 ms: about 25 polls a second. 32 slots polling each on
+    # their own would make hundreds.
+    assert 5 <= polls <= 60, polls
