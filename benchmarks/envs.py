@@ -8,7 +8,8 @@ Each example (`examples/<name>.yaml`) runs through `headrace train`'s code path
 `--budget-s` seconds of training, and for the learner steps given below (steps make runs
 comparable; the budget caps them). Per environment, from the run's metrics.jsonl and summary.json:
 
-  learner_steps_per_s   learner steps per second of training (`learner/steps_per_s`, last record)
+  learner_steps_per_s   learner steps per second of training (`learner/steps_per_s`, last record;
+                        steady state: steps that compiled are left out)
   steps, wall_s         learner steps done, wall time of the run (start-up included)
   actor_env_s_p50/p99   environment step latency (`actor/env_s`, last record: its window)
   reward_mean_first/last  `reward/mean` in the first and the last record (the trend)

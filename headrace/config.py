@@ -157,6 +157,10 @@ class SamplingConfig:
     top_p: float = 1.0  # nucleus sampling mass (1: off)
     max_new_tokens: int = 64  # tokens generated per turn at most
     constrain_to_actions: bool = True  # restrict decoding to the env's action vocabulary, if declared
+    # Keep each episode's keys and values on the actor between turns, so a turn computes only its
+    # new tokens; earlier turns keep the weights that computed them (PipelineRL). Memory: envs x
+    # largest bucket x layers x 2 x kv heads x head size x dtype bytes; more programs to compile.
+    keep_cache: bool = False
 
     def __post_init__(self):
         _check(self.temperature > 0, "sampling.temperature", self.temperature, "must be > 0")

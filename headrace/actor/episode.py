@@ -73,12 +73,12 @@ async def run_episode(env: Env, seed: int, policy: BatchedPolicy, tokenizer: Tok
     steps: list[tuple[float, float]] = []
     reward, success, status, error = 0.0, False, STATUS_OK, None
     inline = not env.blocking and not env.has_astep
-    with policy.episode():
+    with policy.episode() as slot:
         try:
             obs, _ = await asyncio.to_thread(env.reset, seed) if env.blocking else env.reset(seed)
             renderer.add_observation(obs, first=True)
             for _ in range(env.spec.max_turns):
-                tokens, logps, version = await policy.act(renderer.prompt(), calls)
+                tokens, logps, version = await policy.act(renderer.prompt(), calls, slot)
                 renderer.add_generated(tokens, logps, version)
                 start, started_at = time.perf_counter(), time.time()
                 action = tokenizer.decode(tokens)

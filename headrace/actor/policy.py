@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import time
 
@@ -70,18 +71,24 @@ class BatchedPolicy:
         self.greedy = greedy
         self.live = 0
         self.away = 0
-        self._requests: list[tuple[np.ndarray, asyncio.Future, tuple[list, float] | None]] = []
+        self._free_slots = list(range(sampler.episodes))[::-1]  # the sampler's kept caches
+        self._requests: list[tuple[np.ndarray, int | None, asyncio.Future,
+                                   tuple[list, float] | None]] = []
         self._wake = asyncio.Event()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sampler")
 
     @contextlib.contextmanager
     def episode(self):
-        """Registers a live episode for the whole of its run."""
+        """Registers a live episode for the whole of its run; yields the sampler slot that keeps
+        its cache between turns (None when the sampler keeps none, or all are taken)."""
         self.live += 1
+        slot = self._free_slots.pop() if self._free_slots else None
         try:
-            yield
+            yield slot
         finally:
             self.live -= 1
+            if slot is not None:
+                self._free_slots.append(slot)
             self._wake.set()
 
     @contextlib.contextmanager
@@ -94,9 +101,11 @@ class BatchedPolicy:
         finally:
             self.away -= 1
 
-    async def act(self, context: np.ndarray,
-                  trace: list | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    async def act(self, context: np.ndarray, trace: list | None = None,
+                  slot: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
         """Generates one turn for `context`: (tokens, behaviour log-probs, weights version).
+
+        `slot` is the one `episode()` gave: the sampler continues from what it kept there.
 
         With a `trace` list, appends `(requested, started, finished, rows)` of the call that
         served this turn (unix times; rows: episodes in that call).
@@ -108,7 +117,8 @@ class BatchedPolicy:
             raise PromptTooLong(f"context of {len(context)} tokens exceeds "
                                 f"{self.sampler.max_context()}")
         future = asyncio.get_running_loop().create_future()
-        self._requests.append((context, future, trace if trace is None else (trace, time.time())))
+        self._requests.append((context, slot, future,
+                               trace if trace is None else (trace, time.time())))
         self._wake.set()
         return await future
 
@@ -138,17 +148,20 @@ class BatchedPolicy:
         try:
             if self.sync is not None:
                 await loop.run_in_executor(self._executor, self.sync.refresh)
+            slots = [slot for _, slot, _, _ in batch]
             tokens, logps, version = await loop.run_in_executor(
-                self._executor, self.sampler.generate, [c for c, _, _ in batch], self.greedy)
+                self._executor, functools.partial(
+                    self.sampler.generate, [c for c, _, _, _ in batch], self.greedy,
+                    **({} if None in slots else {"slots": slots})))
         except Exception as error:  # reaches every waiting episode, which ends with status error
-            for _, future, _ in batch:
+            for _, _, future, _ in batch:
                 if not future.done():
                     future.set_exception(error)
             return
         self.metrics.observe("actor/inference_s", time.perf_counter() - start)
         self.metrics.observe("actor/batch_rows", len(batch))
         finished_at = time.time()
-        for (_, future, trace), t, lp in zip(batch, tokens, logps):
+        for (_, _, future, trace), t, lp in zip(batch, tokens, logps):
             if trace is not None:
                 trace[0].append((trace[1], started_at, finished_at, len(batch)))
             if not future.done():

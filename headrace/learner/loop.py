@@ -118,6 +118,7 @@ class Learner:
         self._first_step_at: float | None = None
         self._busy_s = 0.0
         self._compile_s = 0.0  # steps that compiled a new shape (warm-up, not utilisation)
+        self._compiled_steps = 0
         self._tokens = 0
         self.done = threading.Event()
         self.tracer = Tracer(trace_path, weights, metrics)
@@ -372,18 +373,21 @@ class Learner:
         if self._first_step_at is None:
             self._first_step_at = start
         self.step += 1
-        if compiled:  # warm-up, not steady state: left out of utilisation (`learner/compile_s`)
+        # A step that compiled is warm-up, not steady state: it is left out of utilisation and
+        # of the rates (its time is `learner/compile_s`).
+        if compiled:
             self._compile_s += elapsed
+            self._compiled_steps += 1
         else:
             self._busy_s += elapsed
-        self._tokens += batch.real_tokens
-        wall = time.perf_counter() - self._first_step_at
+            self._tokens += batch.real_tokens
+        window = max(time.perf_counter() - self._first_step_at - self._compile_s, 1e-9)
         m = self.metrics
         m.observe("learner/step_s", elapsed)
         m.gauge("learner/utilization", self.utilization)
         m.gauge("learner/compile_s", self._compile_s)
-        m.gauge("learner/tokens_per_s", self._tokens / wall)
-        m.gauge("learner/steps_per_s", self.step / wall)
+        m.gauge("learner/tokens_per_s", self._tokens / window)
+        m.gauge("learner/steps_per_s", (self.step - self._compiled_steps) / window)
         m.gauge("learner/step", self.step)
         m.gauge("learner/version", self.version)
         m.gauge("learner/compiles", compiles.compiles("train_step"))

@@ -78,27 +78,38 @@ def _choose(logits_bv, rng, temperature, top_p, allowed_v, *, top_k: int, use_to
     return token_b.astype(jnp.int32), logp_b
 
 
-def _generate(graphdef, params, tokens_bp, valid_bp, rng, temperature, top_p, allowed_v, stop_v,
-              pad_id, *, max_new: int, top_k: int, use_top_p: bool, greedy: bool):
-    model = params_lib.merge(graphdef, params)
-    b, p = tokens_bp.shape
-    choose = functools.partial(_choose, top_k=top_k, use_top_p=use_top_p, greedy=greedy)
-    positions_bp = jnp.maximum(jnp.cumsum(valid_bp, axis=1) - 1, 0)
-    causal_qk = jnp.arange(p)[None, :] <= jnp.arange(p)[:, None]
-    if max_new == 1:  # one token per turn: a plain forward, no cache to write
-        logits_bpv, _ = model(tokens_bp, positions_bp, valid_bp[:, None, :] & causal_qk[None],
-                              last_only=True)  # contexts are left-padded: -1 is the last token
-        rng, sub = jax.random.split(rng)
-        token_b, logp_b = choose(logits_bpv[:, -1], sub, temperature, top_p, allowed_v)
-        return token_b[:, None], logp_b[:, None], jnp.ones((b,), jnp.int32), rng
+def _generate(graphdef, params, tokens_bw, valid_bw, start_b, rng, temperature, top_p, allowed_v,
+              stop_v, pad_id, cache=None, *, max_new: int, top_k: int, use_top_p: bool,
+              greedy: bool):
+    """Prefills each row's new tokens after its first `start_b` positions, then decodes.
 
-    slots = p + max_new
+    `tokens_bw` holds the new tokens right-aligned (`valid_bw` marks them). `cache` is per layer a
+    key and a value array [b, S, g, e] whose slot j holds position j (so slots below `start_b`
+    are the row's earlier positions), or None for a fresh call: every start is 0, and a cache of
+    w + max_new slots is made here (none at all when one token is generated). Returns (tokens_bg,
+    logps_bg, lengths_b, rng, cache).
+    """
+    model = params_lib.merge(graphdef, params)
+    b, w = tokens_bw.shape
+    choose = functools.partial(_choose, top_k=top_k, use_top_p=use_top_p, greedy=greedy)
+    positions_bw = start_b[:, None] + jnp.maximum(jnp.cumsum(valid_bw, axis=1) - 1, 0)
+    if cache is None and max_new == 1:  # one token per turn: a plain forward, no cache to write
+        causal_qk = jnp.arange(w)[None, :] <= jnp.arange(w)[:, None]
+        logits_bwv, _ = model(tokens_bw, positions_bw, valid_bw[:, None, :] & causal_qk[None],
+                              last_only=True)  # right-aligned: -1 is the last token
+        rng, sub = jax.random.split(rng)
+        token_b, logp_b = choose(logits_bwv[:, -1], sub, temperature, top_p, allowed_v)
+        return token_b[:, None], logp_b[:, None], jnp.ones((b,), jnp.int32), rng, None
+    if cache is None:
+        cache = model.init_cache(b, w + max_new)
+    slots = cache[0][0].shape[1]
     slot_s = jnp.arange(slots)
-    key_valid_bs = jnp.concatenate([valid_bp, jnp.zeros((b, max_new), bool)], axis=1)
-    prefill_mask_bqk = key_valid_bs[:, None, :] & (slot_s[None, None, :] <= jnp.arange(p)[None, :, None])
-    logits_bpv, cache = model(tokens_bp, positions_bp, prefill_mask_bqk,
-                              model.init_cache(b, slots), 0, last_only=True)
-    next_pos_b = positions_bp[:, -1] + 1
+    key_valid_bs = slot_s[None, :] < (start_b + jnp.sum(valid_bw, axis=1))[:, None]
+    prefill_mask_bws = key_valid_bs[:, None, :] & (slot_s[None, None, :] <= positions_bw[..., None])
+    write_bw = jnp.where(valid_bw, positions_bw, slots)  # padding's keys are not written
+    logits_bwv, cache = model(tokens_bw, positions_bw, prefill_mask_bws, cache, write_bw,
+                              last_only=True)
+    next_b = positions_bw[:, -1] + 1
 
     def step(carry, t):
         logits_bv, cache, key_valid_bs, done_b, rng = carry
@@ -108,22 +119,35 @@ def _generate(graphdef, params, tokens_bp, valid_bp, rng, temperature, top_p, al
         token_b = jnp.where(emitted_b, token_b, pad_id)
         logp_b = jnp.where(emitted_b, logp_b, 0.0)
         done_b = done_b | stop_v[token_b]
-        slot = p + t
-        key_valid_bs = key_valid_bs.at[:, slot].set(True)
-        mask_bqk = (key_valid_bs & (slot_s[None, :] <= slot))[:, None, :]
-        logits_b1v, cache = model(token_b[:, None], (next_pos_b + t)[:, None], mask_bqk, cache, slot)
+        slot_b1 = (next_b + t)[:, None]
+        key_valid_bs = key_valid_bs | (slot_s[None, :] == slot_b1)
+        mask_b1s = (key_valid_bs & (slot_s[None, :] <= slot_b1))[:, None, :]
+        logits_b1v, cache = model(token_b[:, None], slot_b1, mask_b1s, cache, slot_b1)
         return (logits_b1v[:, 0], cache, key_valid_bs, done_b, rng), (token_b, logp_b, emitted_b)
 
-    carry = (logits_bpv[:, -1], cache, key_valid_bs, jnp.zeros((b,), bool), rng)
+    carry = (logits_bwv[:, -1], cache, key_valid_bs, jnp.zeros((b,), bool), rng)
     carry, (tokens_gb, logps_gb, emitted_gb) = jax.lax.scan(step, carry, jnp.arange(max_new - 1))
-    logits_bv, _, _, done_b, rng = carry
+    logits_bv, cache, _, done_b, rng = carry
     rng, sub = jax.random.split(rng)
     last_b, last_logp_b = choose(logits_bv, sub, temperature, top_p, allowed_v)
     last_emitted_b = ~done_b
     tokens_bg = jnp.concatenate([tokens_gb.T, jnp.where(last_emitted_b, last_b, pad_id)[:, None]], 1)
     logps_bg = jnp.concatenate([logps_gb.T, jnp.where(last_emitted_b, last_logp_b, 0.0)[:, None]], 1)
     lengths_b = jnp.sum(emitted_gb, axis=0) + last_emitted_b
-    return tokens_bg, logps_bg, lengths_b.astype(jnp.int32), rng
+    return tokens_bg, logps_bg, lengths_b.astype(jnp.int32), rng, cache
+
+
+def _generate_in_pool(graphdef, params, pool, slot_b, tokens_bw, valid_bw, start_b, rng, *args,
+                      span: int, **kwargs):
+    """`_generate` over the episodes' kept caches: rows `slot_b` of `pool` (per layer a key and a
+    value array [episodes + 1, largest bucket, g, e]), their first `span` slots; returns the pool
+    with those rows written back (the pool is donated: updated in place)."""
+    cache = [(k[slot_b, :span], v[slot_b, :span]) for k, v in pool]
+    *out, cache = _generate(graphdef, params, tokens_bw, valid_bw, start_b, rng, *args, cache,
+                            **kwargs)
+    pool = [(k.at[slot_b, :span].set(ck), v.at[slot_b, :span].set(cv))
+            for (k, v), (ck, cv) in zip(pool, cache)]
+    return (*out, pool)
 
 
 class Sampler:
@@ -134,8 +158,12 @@ class Sampler:
     """
 
     def __init__(self, graphdef, settings: SamplerSettings, vocab_size: int,
-                 buckets: Sequence[int], max_batch: int, seed: int = 0):
+                 buckets: Sequence[int], max_batch: int, seed: int = 0, episodes: int = 0):
         self.settings = settings
+        self.episodes = episodes  # episodes whose caches are kept across turns (slots 0..n-1)
+        self._graphdef = graphdef
+        self._pool = None  # their caches, made on first use
+        self._kept: list[np.ndarray | None] = [None] * episodes  # the tokens each slot holds
         self.buckets = tuple(buckets)
         self.batch_sizes = batch_ladder(max_batch)
         self._lock = threading.Lock()
@@ -153,11 +181,14 @@ class Sampler:
             stop |= allowed
         self._allowed_v = jnp.asarray(allowed)
         self._stop_v = jnp.asarray(stop)
-        self._fns = {}
+        self._fns, self._pool_fns = {}, {}
         for greedy in (False, True):
-            self._fns[greedy] = jax.jit(functools.partial(
-                _generate, graphdef, max_new=settings.max_new_tokens, top_k=settings.top_k,
-                use_top_p=settings.top_p < 1.0, greedy=greedy))
+            static = dict(max_new=settings.max_new_tokens, top_k=settings.top_k,
+                          use_top_p=settings.top_p < 1.0, greedy=greedy)
+            self._fns[greedy] = jax.jit(functools.partial(_generate, graphdef, **static))
+            self._pool_fns[greedy] = jax.jit(
+                functools.partial(_generate_in_pool, graphdef, **static),
+                static_argnames=("span",), donate_argnums=(1,))
 
     def set_params(self, params, version: int) -> None:
         with self._lock:
@@ -166,12 +197,19 @@ class Sampler:
     def max_context(self) -> int:
         return self.buckets[-1] - self.settings.max_new_tokens
 
-    def generate(self, contexts: Sequence[Sequence[int]], greedy: bool = False):
+    def generate(self, contexts: Sequence[Sequence[int]], greedy: bool = False,
+                 slots: Sequence[int] | None = None):
         """Returns (tokens, logprobs, version): per context an int32 and a float32 array.
 
         Contexts are grouped by length bucket and each group runs as its own call, so a row pays
         for its own bucket, not for the longest context of the batch. All rows use one consistent
-        weights version.
+        weights version. With `slots` (one per context, below `episodes`, distinct), each
+        episode's keys and values stay on the device between turns: a context that extends what
+        its slot holds by at most the smallest bucket computes only its new tokens (one more
+        width per length bucket to compile; a longer extension is computed whole, from the
+        start of the slot). Earlier turns' keys and values are then
+        those of the weights that computed them, as in PipelineRL's in-flight weight updates; the
+        log-probs returned are still those of the distribution each token was drawn from.
 
         Raises:
           PromptTooLong: some context is longer than `max_context()`.
@@ -188,36 +226,69 @@ class Sampler:
             params, version = self._params, self.version
         if params is None:
             raise RuntimeError("Sampler.generate called before set_params")
-        by_bucket: dict[int, list[int]] = {}
-        for i, context in enumerate(contexts):
-            width = bucket_for(len(context) + s.max_new_tokens, self.buckets) - s.max_new_tokens
-            by_bucket.setdefault(width, []).append(i)
+        starts = [0] * len(contexts) if slots is None else [
+            self._kept_prefix(slot, context) for slot, context in zip(slots, contexts)]
+        by_shape: dict[tuple[int | None, int], list[int]] = {}
+        for i, (context, start) in enumerate(zip(contexts, starts)):
+            total = bucket_for(len(context) + s.max_new_tokens, self.buckets)
+            if slots is None:  # (no kept cache, new-token width)
+                shape = (None, total - s.max_new_tokens)
+            elif len(context) - start <= self.buckets[0]:  # (slots attended to, new-token width)
+                shape = (total, self.buckets[0])
+            else:  # more new tokens than the smallest bucket: the whole context, afresh
+                starts[i], shape = 0, (total, total)
+            by_shape.setdefault(shape, []).append(i)
         out_tokens: list[np.ndarray] = [None] * len(contexts)
         out_logps: list[np.ndarray] = [None] * len(contexts)
-        for width, rows in by_bucket.items():
-            tokens, logps = self._generate_rows(params, [contexts[i] for i in rows], width, greedy)
+        for (span, width), rows in by_shape.items():
+            tokens, logps = self._generate_rows(
+                params, [contexts[i][starts[i]:] for i in rows], [starts[i] for i in rows],
+                None if slots is None else [slots[i] for i in rows], span, width, greedy)
             for i, t, lp in zip(rows, tokens, logps):
                 out_tokens[i], out_logps[i] = t, lp
+        if slots is not None:  # a slot holds every token fed through the model
+            for slot, context, t in zip(slots, contexts, out_tokens):
+                self._kept[slot] = np.concatenate([np.asarray(context, np.int32), t[:-1]])
         return out_tokens, out_logps, version
 
-    def _generate_rows(self, params, contexts, width: int, greedy: bool):
-        """One bucket's rows, in calls of batch-ladder sizes (`split_rows`: little padding), all
+    def _kept_prefix(self, slot: int, context: Sequence[int]) -> int:
+        """How many of the context's leading tokens slot `slot` holds (at least one is left new)."""
+        kept = self._kept[slot]
+        n = 0 if kept is None else min(len(kept), len(context) - 1)
+        return n if n and np.array_equal(kept[:n], np.asarray(context[:n])) else 0
+
+    def _generate_rows(self, params, news, starts, slots, span: int | None, width: int,
+                       greedy: bool):
+        """One shape's rows, in calls of batch-ladder sizes (`split_rows`: little padding), all
         dispatched before their results are fetched at once."""
         s = self.settings
-        results, start = [], 0
-        for rows in split_rows(len(contexts), self.batch_sizes):
-            chunk = contexts[start:start + rows]
-            start += len(chunk)
-            tokens_bp = np.full((rows, width), s.pad_id, np.int32)
-            valid_bp = np.zeros((rows, width), bool)
-            for i, context in enumerate(chunk):
-                tokens_bp[i, width - len(context):] = context
-                valid_bp[i, width - len(context):] = True
-            valid_bp[len(chunk):, -1] = True  # padding rows see one token: none attends to nothing
-            tokens_bg, logps_bg, lengths_b, self._rng = self._fns[greedy](
-                params, tokens_bp, valid_bp, self._rng, np.float32(s.temperature),
-                np.float32(s.top_p), self._allowed_v, self._stop_v, np.int32(s.pad_id))
+        if slots is not None and self._pool is None:
+            model = params_lib.merge(self._graphdef, params)
+            self._pool = model.init_cache(self.episodes + 1, self.buckets[-1])  # +1: padding's
+        scalars = (np.float32(s.temperature), np.float32(s.top_p), self._allowed_v, self._stop_v,
+                   np.int32(s.pad_id))
+        results, done = [], 0
+        for rows in split_rows(len(news), self.batch_sizes):
+            chunk = news[done:done + rows]
+            tokens_bw = np.full((rows, width), s.pad_id, np.int32)
+            valid_bw = np.zeros((rows, width), bool)
+            for i, new in enumerate(chunk):
+                tokens_bw[i, width - len(new):] = new
+                valid_bw[i, width - len(new):] = True
+            valid_bw[len(chunk):, -1] = True  # padding rows see one token: none attends to nothing
+            start_b = np.zeros(rows, np.int32)
+            start_b[:len(chunk)] = starts[done:done + len(chunk)]
+            if slots is None:
+                tokens_bg, logps_bg, lengths_b, self._rng, _ = self._fns[greedy](
+                    params, tokens_bw, valid_bw, start_b, self._rng, *scalars)
+            else:
+                slot_b = np.full(rows, self.episodes, np.int32)  # padding rows share a spare slot
+                slot_b[:len(chunk)] = slots[done:done + len(chunk)]
+                tokens_bg, logps_bg, lengths_b, self._rng, self._pool = self._pool_fns[greedy](
+                    params, self._pool, slot_b, tokens_bw, valid_bw, start_b, self._rng, *scalars,
+                    span=span)
             results.append((len(chunk), tokens_bg, logps_bg, lengths_b))
+            done += len(chunk)
         # Deliberate device->host sync: the actor needs the tokens to step the environments.
         results = jax.device_get(results)
         tokens, logps = [], []

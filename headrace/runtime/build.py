@@ -12,6 +12,7 @@ import pathlib
 import time
 from collections.abc import Callable
 
+import jax.numpy as jnp
 import yaml
 
 from headrace.buffer.base import Buffer
@@ -74,9 +75,27 @@ def build_task(config: Config) -> Task:
     return Task(make_env, tokenizer, dims, settings)
 
 
-def make_sampler(config: Config, task: Task, graphdef, seed: int) -> Sampler:
-    return Sampler(graphdef, task.sampler_settings, task.dims.vocab_size, config.shapes.buckets,
-                   config.actor.max_batch, seed=seed)
+KEPT_CACHE_LIMIT_GIB = 8.0
+
+
+def make_sampler(config: Config, task: Task, graphdef, seed: int, acting: bool = False) -> Sampler:
+    """The policy's sampler; an actor's (`acting`) keeps each episode's cache between turns when
+    `sampling.keep_cache` is on.
+
+    Raises:
+      ConfigError: the kept caches would take more than KEPT_CACHE_LIMIT_GIB.
+    """
+    episodes = config.actor.envs_per_actor if acting and config.sampling.keep_cache else 0
+    d = task.dims
+    gib = (episodes * config.shapes.buckets[-1] * d.n_layers * 2 * d.n_kv_heads * d.head_dim
+           * jnp.dtype(d.dtype).itemsize / 2**30)
+    if gib > KEPT_CACHE_LIMIT_GIB:
+        raise ConfigError(f"sampling.keep_cache=true: {episodes} episodes x the largest bucket "
+                          f"{config.shapes.buckets[-1]} need {gib:.1f} GiB of kept caches per "
+                          f"actor (limit {KEPT_CACHE_LIMIT_GIB}); lower actor.envs_per_actor or "
+                          "shapes.buckets, or set sampling.keep_cache: false")
+    return Sampler(graphdef, task.sampler_settings, d.vocab_size, config.shapes.buckets,
+                   config.actor.max_batch, seed=seed, episodes=episodes)
 
 
 def init_params(config: Config, task: Task):

@@ -27,7 +27,8 @@ from typing import Any
 import redis
 
 from headrace import config as config_lib
-from headrace.buffer.redis_stream import enable_ledger
+from headrace.buffer.base import BufferError
+from headrace.buffer.redis_stream import call_with_retry, enable_ledger
 from headrace.buffer.server import RedisServer
 from headrace.config import Config
 from headrace.metrics.core import Metrics
@@ -163,7 +164,10 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
         graphdef = params_lib.graphdef(task.dims)
 
         def snapshot() -> dict[str, float]:
-            merged = read_metrics(client, run_id)
+            # A busy server can stall past redis-py's 5 s socket timeout: retried, not fatal.
+            merged = call_with_retry(lambda: read_metrics(client, run_id), where=url,
+                                     what="reading metrics", retry_s=30.0,
+                                     error=BufferError)
             merged.update(metrics.snapshot())
             merged["actor/restarts"] = supervisor.restarts
             return merged

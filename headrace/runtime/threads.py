@@ -74,9 +74,10 @@ def _train(config: Config, run_dir, t0: float, live: bool, buffer) -> dict[str, 
     workers = [Worker("learner", learner.run, stop),
                Worker("evaluator", lambda: evaluator.run(stop), stop)]
     for i in range(config.actor.num_actors):
-        actor = Actor(config, f"actor-{i}", task.make_env, task.tokenizer,
-                      build.make_sampler(config, task, graphdef, seed=config.run.seed + 100 + i),
-                      buffer, weights, metrics, stop, admission)
+        sampler = build.make_sampler(config, task, graphdef, seed=config.run.seed + 100 + i,
+                                     acting=True)
+        actor = Actor(config, f"actor-{i}", task.make_env, task.tokenizer, sampler, buffer,
+                      weights, metrics, stop, admission)
         workers.append(Worker(f"actor-{i}", actor.run, stop))
     reporter = supervise.Reporter(config, run_dir, live)
     for worker in workers:

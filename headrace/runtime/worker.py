@@ -118,7 +118,8 @@ def actor_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: str,
     metrics = Metrics()
     publisher = Publisher(buffer.client, run_id, name, metrics, extra=buffer.stats).start()
     graphdef = params_lib.graphdef(task.dims)
-    sampler = build.make_sampler(config, task, graphdef, seed=config.run.seed + 100 + index)
+    sampler = build.make_sampler(config, task, graphdef, seed=config.run.seed + 100 + index,
+                                 acting=True)
     try:
         admission = build.make_admission(config, buffer, url=url, run_id=run_id)
         Actor(config, name, task.make_env, task.tokenizer, sampler, buffer, weights, metrics,

@@ -8,7 +8,7 @@ import pytest
 from headrace.actor.actor import Actor
 from headrace.buffer.admission import AdmissionLimits, InProcessAdmission
 from headrace.buffer.memory import MemoryBuffer
-from headrace.config import load
+from headrace.config import ConfigError, load
 from headrace.metrics.core import Metrics
 from headrace.model import params as params_lib
 from headrace.runtime import build
@@ -21,15 +21,18 @@ def test_errors_and_timeouts_end_episodes_not_the_actor():
     config = load(data={
         "env": {"name": "tests.actor.fakes:FlakyEnv", "step_timeout_s": 0.3},
         "actor": {"envs_per_actor": 8, "group_size": 2, "max_batch": 8},
-        "sampling": {"max_new_tokens": 1}, "shapes": {"buckets": [8]}, "model": {"max_len": 8}})
+        "sampling": {"max_new_tokens": 1, "keep_cache": True}, "shapes": {"buckets": [8]},
+        "model": {"max_len": 8}})
     task = build.build_task(config)
     graphdef, params = build.init_params(config, task)
     weights = MemoryWeightStore(2)
     weights.publish(params_lib.to_host(params), 0)
     buffer = MemoryBuffer(capacity=1000)
     metrics, stop = Metrics(), threading.Event()
-    actor = Actor(config, "a0", task.make_env, task.tokenizer,
-                  build.make_sampler(config, task, graphdef, seed=0), buffer, weights, metrics, stop)
+    sampler = build.make_sampler(config, task, graphdef, seed=0, acting=True)
+    assert sampler.episodes == 8  # failed episodes must give their kept caches back
+    actor = Actor(config, "a0", task.make_env, task.tokenizer, sampler, buffer, weights, metrics,
+                  stop)
     thread = threading.Thread(target=actor.run)
     thread.start()
     try:
@@ -118,3 +121,15 @@ def test_waiting_slots_queue_and_only_the_first_polls_admission():
     # One waiter backs off from 5 to 50 ms: about 25 polls a second. 32 slots polling each on
     # their own would make hundreds.
     assert 5 <= polls <= 60, polls
+
+
+def test_kept_caches_too_large_for_memory_are_a_config_error():
+    config = load(data={
+        "env": {"name": "guess_number"}, "model": {"preset": "tiny", "max_len": 4096},
+        "actor": {"envs_per_actor": 65536, "group_size": 8, "max_batch": 512},
+        "sampling": {"keep_cache": True}, "shapes": {"buckets": [32, 4096]}})
+    task = build.build_task(config)
+    graphdef, _ = build.init_params(config, task)
+    with pytest.raises(ConfigError, match="lower actor.envs_per_actor or shapes.buckets"):
+        build.make_sampler(config, task, graphdef, seed=0, acting=True)
+    build.make_sampler(config, task, graphdef, seed=0)  # a sampler that does not act keeps none

@@ -26,7 +26,8 @@ def test_quick_bench_reports_every_environment():
         for key in FIGURES:
             assert key in figures, (name, key)
         assert figures["steps"] >= 1 and figures["errors"] == [], (name, figures)
-        assert figures["learner_steps_per_s"] > 0, (name, figures)
+        # steady-state steps/s leaves out steps that compiled: 0 when a quick run had no other
+        assert figures["learner_steps_per_s"] >= 0, (name, figures)
     calc = envs["tool_calculator"]
     for key in FIGURES:
         assert key in calc["no_tool"], key

@@ -114,3 +114,32 @@ def test_split_rows_pads_little_with_ladder_sizes_only():
     assert split_rows(389, batch_ladder(512)) == [512]  # 4 calls would save only a quarter
     with pytest.raises(ValueError, match="exceed the largest batch size 1024"):
         split_rows(1025, sizes)
+
+
+@pytest.mark.parametrize("max_new", [1, 3])
+def test_kept_caches_match_full_forward_over_turns(max_new):
+    """Turns computed from each episode's kept cache give the full forward's log-probs."""
+    graphdef, params = params_lib.init(DIMS, seed=4)
+    settings = SamplerSettings(temperature=0.8, max_new_tokens=max_new, stop_ids=(2,))
+    sampler = Sampler(graphdef, settings, DIMS.vocab_size, buckets=(8, 16, 32), max_batch=8,
+                      seed=1, episodes=4)
+    sampler.set_params(params, 0)
+    rng = np.random.default_rng(0)
+    contexts = {slot: rng.integers(3, 40, n).astype(np.int32)
+                for slot, n in zip((0, 2, 3), (2, 5, 9))}
+    for turn in range(3):
+        slots = list(contexts)
+        kept = [sampler._kept_prefix(k, contexts[k]) for k in slots]
+        assert (min(kept) > 0) == (turn > 0)  # later turns start from what the slot holds
+        tokens, logps, _ = sampler.generate([contexts[k] for k in slots], slots=slots)
+        for k, t, lp in zip(slots, tokens, logps):
+            ref = full_forward_logprobs(graphdef, params, contexts[k], t, 0.8)
+            np.testing.assert_allclose(lp, ref, atol=1e-5)
+            observation = rng.integers(3, 40, 2).astype(np.int32)
+            contexts[k] = np.concatenate([contexts[k], t, observation])
+    # Another episode in slot 0: nothing it holds matches, so the context is computed afresh.
+    other = np.concatenate([[contexts[0][0] % 37 + 1], rng.integers(3, 40, 5)]).astype(np.int32)
+    assert sampler._kept_prefix(0, other) == 0
+    tokens, logps, _ = sampler.generate([other], slots=[0])
+    np.testing.assert_allclose(logps[0], full_forward_logprobs(graphdef, params, other,
+                                                               tokens[0], 0.8), atol=1e-5)

@@ -32,6 +32,8 @@ from headrace.text.tokenizers import BOS, EOS, ByteTokenizer, TokenizerError, Wo
 class RecordingSampler:
     """Stands in for `Sampler`: answers each context from a script, records what it saw."""
 
+    episodes = 0  # keeps no cache between turns
+
     def __init__(self, script, max_context=4096, version=3):
         self.script = script  # context -> list of token ids to "generate"
         self.version = version
