@@ -31,6 +31,7 @@ PLACEMENT = {"learner_cpus": [0], "actor_cpus": []}
 MAX_TURNS, SIGMA = 5, 0.25  # guess_number's turns per episode; the env latency's lognormal sigma
 TURN_INFERENCE_S = 0.1  # a turn's wait for its batched policy call, on top of the env step
 QUICK_STEPS = 8
+QUICK_GROUPS = 16  # --quick: the async pool's groups
 
 
 def base_config(args, run_dir: pathlib.Path) -> dict:
@@ -49,7 +50,7 @@ def base_config(args, run_dir: pathlib.Path) -> dict:
         "model": {"preset": "custom", "d_model": 64 if quick else args.d_model,
                   "n_layers": 2 if quick else args.n_layers, "n_heads": 4, "n_kv_heads": 2,
                   "d_ff": 128 if quick else 4 * args.d_model, "max_len": 64},
-        "sampling": {"max_new_tokens": 1},
+        "sampling": {"max_new_tokens": 1, "keep_cache": args.keep_cache},
         "actor": {"num_actors": 1, "envs_per_actor": 64, "group_size": 8, "max_batch": 1024},
         "buffer": {"backend": "redis", "capacity": 4 * args.groups_per_batch,
                    "max_pending": 16 * args.groups_per_batch},
@@ -176,6 +177,8 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-layers", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=1,
                         help="learner.epochs: passes over each batch (updates per trajectory)")
+    parser.add_argument("--keep-cache", action="store_true",
+                        help="sampling.keep_cache: actors keep each episode's cache between turns")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         needed = consume_groups_per_s * episode_s
         headroom = 1.25
         slots = max(1, math.ceil(needed * headroom))
+        if args.quick:  # a smoke run: a pool that starts in seconds (its few steps, most of
+            slots = QUICK_GROUPS  # them compiling, measure no steady rate to size one from)
         # Admission lets at most about (max_policy_lag + 1) batches be in flight or queued (a
         # group must be trained within the lag limit of the weights it started with), so the limit
         # must admit the in-flight count sized above, or no pool can keep the learner busy. It
@@ -236,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"env_latency_s": args.env_latency, "duration_s": args.duration,
                      "groups_per_batch": args.groups_per_batch, "group_size": 8,
                      "d_model": args.d_model, "n_layers": args.n_layers,
-                     "epochs": args.epochs, "learner_cpus": PLACEMENT["learner_cpus"]},
+                     "epochs": args.epochs, "keep_cache": args.keep_cache,
+                     "learner_cpus": PLACEMENT["learner_cpus"]},
         "async_over_sync_steps": (result_async["steps_per_s"] / sync["steps_per_s"]
                                   if sync["steps_per_s"] else None),
         "async_over_alone_steps": (result_async["steps_per_s"] / alone["steps_per_s"]

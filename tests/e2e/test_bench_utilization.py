@@ -19,7 +19,8 @@ def test_quick_bench_prints_every_key():
     for way in ("learner_alone", "sync", "async"):
         for key in WAY_KEYS:
             assert key in data[way], (way, key)
-        assert data[way]["steps_per_s"] > 0, (way, data[way])
-    assert data["little"]["in_flight_groups_needed"] > 0
+        # rates are the steady state's (steps that compiled left out): a smoke run may have none
+        assert data[way]["steps"] >= 1 and data[way]["steps_per_s"] >= 0, (way, data[way])
+    assert data["little"]["in_flight_groups_needed"] >= 0
     assert data["little"]["admission_window_groups"] >= data["little"]["envs_per_actor_async"] / 8
     assert data["async"]["updates_per_trajectory"] == data["sync"]["updates_per_trajectory"]
