@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"env_latency_s": args.env_latency, "duration_s": args.duration,
                      "groups_per_batch": args.groups_per_batch, "d_model": args.d_model,
                      "n_layers": args.n_layers, "epochs": args.epochs,
-                     "max_policy_lag": args.max_policy_lag},
+                     "max_policy_lag": args.max_policy_lag, "keep_cache": args.keep_cache},
     }
     benchlib.emit(result, as_json=args.json, title="latency audit: predicted vs measured")
     return 0
