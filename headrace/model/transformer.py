@@ -4,9 +4,8 @@ One forward function serves training and sampling. Attention takes an explicit b
 `mask_bqk` (query row may see key slot), so the caller decides what is visible: causal within a
 segment for packed training rows, or "written cache slots up to the query" while decoding. With a
 `cache` (per layer a key and a value array of S slots) the new keys and values are written at
-`cache_index` (the slot where the input's t slots start, or an int array [b, t] of a slot per
-token, where a slot out of range drops that write) and attention runs over all S slots; without one
-it runs over the input itself.
+`cache_index`, an int array [b, t] of each token's slot (a slot out of range drops that token's
+write), and attention runs over all S slots; without one it runs over the input itself.
 With `last_only` (sampling: only the next token's distribution is needed) the last layer computes
 keys and values for every position but queries, feed-forward and logits for the last one alone;
 the logits are then `[b, 1, v]` (at a large vocabulary that projection dominates a prefill).
@@ -98,15 +97,10 @@ class Attention(nnx.Module):
         mask_bqk = mask_bqk[:, -t_q:]
         k_btge = rope(self.k(x_btd).reshape(b, t, g, e), positions_bt)
         v_btge = self.v(x_btd).reshape(b, t, g, e)
-        if cache_kv is not None and jnp.ndim(cache_index) == 2:  # a slot per token
+        if cache_kv is not None:  # cache_index_bt: each token's slot
             rows_b1 = jnp.arange(b)[:, None]
             k_bsge = cache_kv[0].at[rows_b1, cache_index].set(k_btge, mode="drop")
             v_bsge = cache_kv[1].at[rows_b1, cache_index].set(v_btge, mode="drop")
-            cache_kv = (k_bsge, v_bsge)
-        elif cache_kv is not None:
-            k_cache, v_cache = cache_kv
-            k_bsge = jax.lax.dynamic_update_slice_in_dim(k_cache, k_btge, cache_index, axis=1)
-            v_bsge = jax.lax.dynamic_update_slice_in_dim(v_cache, v_btge, cache_index, axis=1)
             cache_kv = (k_bsge, v_bsge)
         else:
             k_bsge, v_bsge = k_btge, v_btge

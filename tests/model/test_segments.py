@@ -88,8 +88,9 @@ def test_last_only_logits_are_the_last_row_of_the_full_forward():
     assert last.shape == (3, 1, VOCAB)
     np.testing.assert_allclose(last[:, 0], full[:, -1], rtol=1e-5, atol=1e-5)
     slots_mask = np.concatenate([mask, np.zeros((3, 7, 2), bool)], axis=2)  # 9 cache slots
-    _, cache_full = model(tokens, positions, slots_mask, model.init_cache(3, 9), 0)
-    _, cache_last = model(tokens, positions, slots_mask, model.init_cache(3, 9), 0,
+    write = np.broadcast_to(np.arange(7), (3, 7))  # the cache slot of each token
+    _, cache_full = model(tokens, positions, slots_mask, model.init_cache(3, 9), write)
+    _, cache_last = model(tokens, positions, slots_mask, model.init_cache(3, 9), write,
                           last_only=True)
     for a, b in zip(jax.tree.leaves(cache_full), jax.tree.leaves(cache_last)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
