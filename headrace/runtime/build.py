@@ -78,14 +78,14 @@ def build_task(config: Config) -> Task:
 KEPT_CACHE_LIMIT_GIB = 8.0
 
 
-def make_sampler(config: Config, task: Task, graphdef, seed: int, acting: bool = False) -> Sampler:
-    """The policy's sampler; an actor's (`acting`) keeps each episode's cache between turns when
-    `sampling.keep_cache` is on.
+def kept_episodes(config: Config, task: Task) -> int:
+    """How many episodes an actor's sampler keeps caches for (`sampling.keep_cache`); launchers
+    call it before starting actors, so a config that cannot fit fails once, at start.
 
     Raises:
       ConfigError: the kept caches would take more than KEPT_CACHE_LIMIT_GIB.
     """
-    episodes = config.actor.envs_per_actor if acting and config.sampling.keep_cache else 0
+    episodes = config.actor.envs_per_actor if config.sampling.keep_cache else 0
     d = task.dims
     gib = (episodes * config.shapes.buckets[-1] * d.n_layers * 2 * d.n_kv_heads * d.head_dim
            * jnp.dtype(d.dtype).itemsize / 2**30)
@@ -94,8 +94,14 @@ def make_sampler(config: Config, task: Task, graphdef, seed: int, acting: bool =
                           f"{config.shapes.buckets[-1]} need {gib:.1f} GiB of kept caches per "
                           f"actor (limit {KEPT_CACHE_LIMIT_GIB}); lower actor.envs_per_actor or "
                           "shapes.buckets, or set sampling.keep_cache: false")
-    return Sampler(graphdef, task.sampler_settings, d.vocab_size, config.shapes.buckets,
-                   config.actor.max_batch, seed=seed, episodes=episodes)
+    return episodes
+
+
+def make_sampler(config: Config, task: Task, graphdef, seed: int, acting: bool = False) -> Sampler:
+    """The policy's sampler; an actor's (`acting`) keeps caches as `kept_episodes` says."""
+    return Sampler(graphdef, task.sampler_settings, task.dims.vocab_size, config.shapes.buckets,
+                   config.actor.max_batch, seed=seed,
+                   episodes=kept_episodes(config, task) if acting else 0)
 
 
 def init_params(config: Config, task: Task):

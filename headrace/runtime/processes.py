@@ -160,6 +160,7 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
     metrics = Metrics()  # the supervisor's own: evaluation and restarts
     try:
         task = build.build_task(config)
+        build.kept_episodes(config, task)  # a config error now, not in every actor
         weights = build.make_weights(config, run_dir)
         graphdef = params_lib.graphdef(task.dims)
 

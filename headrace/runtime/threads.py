@@ -60,6 +60,7 @@ def train(config: Config, *, live: bool = True, t0: float | None = None) -> dict
 
 def _train(config: Config, run_dir, t0: float, live: bool, buffer) -> dict[str, Any]:
     task = build.build_task(config)
+    build.kept_episodes(config, task)  # a config error now, not in every actor
     graphdef, params = build.init_params(config, task)
     weights = build.make_weights(config, run_dir)
     metrics = Metrics()

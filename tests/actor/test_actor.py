@@ -131,5 +131,7 @@ def test_kept_caches_too_large_for_memory_are_a_config_error():
     task = build.build_task(config)
     graphdef, _ = build.init_params(config, task)
     with pytest.raises(ConfigError, match="lower actor.envs_per_actor or shapes.buckets"):
+        build.kept_episodes(config, task)
+    with pytest.raises(ConfigError, match="lower actor.envs_per_actor or shapes.buckets"):
         build.make_sampler(config, task, graphdef, seed=0, acting=True)
     build.make_sampler(config, task, graphdef, seed=0)  # a sampler that does not act keeps none
