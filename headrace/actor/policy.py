@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import time
 
@@ -150,9 +149,8 @@ class BatchedPolicy:
                 await loop.run_in_executor(self._executor, self.sync.refresh)
             slots = [slot for _, slot, _, _ in batch]
             tokens, logps, version = await loop.run_in_executor(
-                self._executor, functools.partial(
-                    self.sampler.generate, [c for c, _, _, _ in batch], self.greedy,
-                    **({} if None in slots else {"slots": slots})))
+                self._executor, self.sampler.generate, [c for c, _, _, _ in batch], self.greedy,
+                None if None in slots else slots)
         except Exception as error:  # reaches every waiting episode, which ends with status error
             for _, _, future, _ in batch:
                 if not future.done():

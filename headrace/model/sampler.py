@@ -9,7 +9,8 @@ Shapes come from a bounded set: rows are served in calls whose sizes come from a
 halves the rows computed, else pads them into one call), contexts are left-padded to the smallest
 length bucket that holds them, and every call generates exactly `max_new_tokens` steps (rows that
 hit a stop token keep running, masked). So the number of compiled programs is at most
-|batch sizes| x |buckets| per decoding mode (sampled, greedy). The prefill computes the last
+|batch sizes| x |buckets| per decoding mode (sampled, greedy); kept caches (`episodes`, see
+`generate`) add at most |batch sizes| x (2 |buckets| - 1) more. The prefill computes the last
 layer's queries, feed-forward and logits at the last position only (`Transformer(last_only=True)`).
 
 Failure modes: a context that cannot fit (`len + max_new_tokens > largest bucket`) raises
@@ -207,9 +208,9 @@ class Sampler:
         episode's keys and values stay on the device between turns: a context that extends what
         its slot holds by at most the smallest bucket computes only its new tokens (one more
         width per length bucket to compile; a longer extension is computed whole, from the
-        start of the slot). Earlier turns' keys and values are then
-        those of the weights that computed them, as in PipelineRL's in-flight weight updates; the
-        log-probs returned are still those of the distribution each token was drawn from.
+        start of the slot). Earlier turns' keys and values are then those of the weights that
+        computed them, as in PipelineRL's in-flight weight updates; the log-probs returned are
+        still those of the distribution each token was drawn from.
 
         Raises:
           PromptTooLong: some context is longer than `max_context()`.

@@ -44,7 +44,7 @@ class RecordingSampler:
     def max_context(self):
         return self._max_context
 
-    def generate(self, contexts, greedy=False):
+    def generate(self, contexts, greedy=False, slots=None):
         tokens, logps = [], []
         for context in contexts:
             out = np.asarray(self.script(list(context)), np.int32)
