@@ -228,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         sync_data["actor"]["envs_per_actor"] = 8 * max(args.groups_per_batch, 1)
         sync = run_training(sync_data)
         async_data = base_config(args, root / "async")
+        # max_batch stays 1,024: a call over thousands of episodes would hold each of them for
+        # its whole length; a large turn is served by several calls instead.
         async_data["actor"]["envs_per_actor"] = 8 * slots
-        async_data["actor"]["max_batch"] = max(1024, 8 * slots)
         result_async = run_training(async_data)
     result = {
         "learner_alone": alone, "sync": sync, "async": result_async,

@@ -133,10 +133,14 @@ def _compilation_cache() -> None:
                                os.path.expanduser("~/.cache/headrace/xla"))
     if not directory or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
+    # Through the environment, so the processes a run spawns (learner, actors) share the cache.
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
     import jax
 
     jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -158,6 +158,8 @@ class BatchedPolicy:
             return
         self.metrics.observe("actor/inference_s", time.perf_counter() - start)
         self.metrics.observe("actor/batch_rows", len(batch))
+        self.metrics.gauge("actor/compiles", self.sampler.compiles)
+        self.metrics.gauge("actor/compiles_inline", self.sampler.inline_compiles)
         finished_at = time.time()
         for (_, _, future, trace), t, lp in zip(batch, tokens, logps):
             if trace is not None:
@@ -167,3 +169,4 @@ class BatchedPolicy:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.sampler.close()

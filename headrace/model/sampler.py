@@ -13,15 +13,25 @@ hit a stop token keep running, masked). So the number of compiled programs is at
 `generate`) add at most |batch sizes| x (2 |buckets| - 1) more. The prefill computes the last
 layer's queries, feed-forward and logits at the last position only (`Transformer(last_only=True)`).
 
+Compiling in the background (`background_compiles`, an actor's sampler): a call whose shape has
+no compiled program yet does not wait for one. The program compiles on a background thread while
+the call's rows ride in programs already compiled (a wider length bucket, other row counts); only
+a call that no compiled program can serve waits (`inline_compiles`: the first calls). A compile
+takes seconds on a CPU and every episode of the actor waits on the call, so compiling in line
+mid-run stalls the whole pool at once (and synchronises its episodes into waves).
+
 Failure modes: a context that cannot fit (`len + max_new_tokens > largest bucket`) raises
 `PromptTooLong` before any device work; the caller ends that episode as truncated.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import logging
 import threading
+import time
 from collections.abc import Sequence
 
 import jax
@@ -31,6 +41,8 @@ import numpy as np
 from headrace.model import params as params_lib
 from headrace.model.distribution import policy_logits
 from headrace.shapes import batch_ladder, bucket_for, split_rows
+
+log = logging.getLogger(__name__)
 
 
 class PromptTooLong(ValueError):
@@ -159,7 +171,8 @@ class Sampler:
     """
 
     def __init__(self, graphdef, settings: SamplerSettings, vocab_size: int,
-                 buckets: Sequence[int], max_batch: int, seed: int = 0, episodes: int = 0):
+                 buckets: Sequence[int], max_batch: int, seed: int = 0, episodes: int = 0,
+                 background_compiles: bool = False):
         self.settings = settings
         self.episodes = episodes  # episodes whose caches are kept across turns (slots 0..n-1)
         self._graphdef = graphdef
@@ -190,6 +203,13 @@ class Sampler:
             self._pool_fns[greedy] = jax.jit(
                 functools.partial(_generate_in_pool, graphdef, **static),
                 static_argnames=("span",), donate_argnums=(1,))
+        # Compiled programs by (greedy, span, rows, width); span is None without kept caches.
+        self._programs: dict[tuple, object] = {}
+        self._compiler = (concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="sampler-compile") if background_compiles else None)
+        self._compiling: dict[tuple, concurrent.futures.Future] = {}
+        self.compiles = 0  # programs compiled
+        self.inline_compiles = 0  # of them, those a call waited for
 
     def set_params(self, params, version: int) -> None:
         with self._lock:
@@ -260,34 +280,33 @@ class Sampler:
 
     def _generate_rows(self, params, news, starts, slots, span: int | None, width: int,
                        greedy: bool):
-        """One shape's rows, in calls of batch-ladder sizes (`split_rows`: little padding), all
-        dispatched before their results are fetched at once."""
+        """One shape's rows, in calls of batch-ladder sizes (`split_rows`: little padding; `_plan`
+        where programs are still compiling), all dispatched before their results are fetched."""
         s = self.settings
         if slots is not None and self._pool is None:
             model = params_lib.merge(self._graphdef, params)
             self._pool = model.init_cache(self.episodes + 1, self.buckets[-1])  # +1: padding's
-        scalars = (np.float32(s.temperature), np.float32(s.top_p), self._allowed_v, self._stop_v,
-                   np.int32(s.pad_id))
         results, done = [], 0
-        for rows in split_rows(len(news), self.batch_sizes):
+        for rows, call_span, call_width in self._plan(params, len(news), span, width, greedy):
             chunk = news[done:done + rows]
-            tokens_bw = np.full((rows, width), s.pad_id, np.int32)
-            valid_bw = np.zeros((rows, width), bool)
+            tokens_bw = np.full((rows, call_width), s.pad_id, np.int32)
+            valid_bw = np.zeros((rows, call_width), bool)
             for i, new in enumerate(chunk):
-                tokens_bw[i, width - len(new):] = new
-                valid_bw[i, width - len(new):] = True
+                tokens_bw[i, call_width - len(new):] = new
+                valid_bw[i, call_width - len(new):] = True
             valid_bw[len(chunk):, -1] = True  # padding rows see one token: none attends to nothing
             start_b = np.zeros(rows, np.int32)
             start_b[:len(chunk)] = starts[done:done + len(chunk)]
-            if slots is None:
-                tokens_bg, logps_bg, lengths_b, self._rng, _ = self._fns[greedy](
-                    params, tokens_bw, valid_bw, start_b, self._rng, *scalars)
-            else:
+            slot_b = None
+            if slots is not None:
                 slot_b = np.full(rows, self.episodes, np.int32)  # padding rows share a spare slot
                 slot_b[:len(chunk)] = slots[done:done + len(chunk)]
-                tokens_bg, logps_bg, lengths_b, self._rng, self._pool = self._pool_fns[greedy](
-                    params, self._pool, slot_b, tokens_bw, valid_bw, start_b, self._rng, *scalars,
-                    span=span)
+            args = self._args(params, tokens_bw, valid_bw, start_b, slot_b)
+            program = self._programs[(greedy, call_span, rows, call_width)]
+            if slots is None:
+                tokens_bg, logps_bg, lengths_b, self._rng, _ = program(*args)
+            else:
+                tokens_bg, logps_bg, lengths_b, self._rng, self._pool = program(*args)
             results.append((len(chunk), tokens_bg, logps_bg, lengths_b))
             done += len(chunk)
         # Deliberate device->host sync: the actor needs the tokens to step the environments.
@@ -297,3 +316,93 @@ class Sampler:
             tokens.extend(tokens_bg[i, :lengths_b[i]] for i in range(n))
             logps.extend(logps_bg[i, :lengths_b[i]] for i in range(n))
         return tokens, logps
+
+    def _args(self, params, tokens_bw, valid_bw, start_b, slot_b) -> tuple:
+        """A program's arguments (the kept-cache programs take the pool and the slots first)."""
+        s = self.settings
+        scalars = (np.float32(s.temperature), np.float32(s.top_p), self._allowed_v, self._stop_v,
+                   np.int32(s.pad_id))
+        if slot_b is None:
+            return (params, tokens_bw, valid_bw, start_b, self._rng, *scalars)
+        return (params, self._pool, slot_b, tokens_bw, valid_bw, start_b, self._rng, *scalars)
+
+    def _compile(self, params, key: tuple) -> None:
+        """Compiles the program of `key` = (greedy, span, rows, width) from example arguments."""
+        greedy, span, rows, width = key
+        example = self._args(params, np.zeros((rows, width), np.int32),
+                             np.ones((rows, width), bool), np.zeros(rows, np.int32),
+                             None if span is None else np.zeros(rows, np.int32))
+        if span is None:
+            self._programs[key] = self._fns[greedy].lower(*example).compile()
+        else:
+            self._programs[key] = self._pool_fns[greedy].lower(*example, span=span).compile()
+        self.compiles += 1
+
+    def _plan(self, params, count: int, span: int | None, width: int,
+              greedy: bool) -> list[tuple[int, int | None, int]]:
+        """(rows, span, width) of the calls that serve `count` rows of shape (span, width).
+
+        The calls `split_rows` picks, each with its own program; without background compiles a
+        missing program compiles here. With them, a missing program is queued for the compiler
+        thread and its rows ride meanwhile in compiled programs of the narrowest width (and
+        span) that holds them: a wider left padding, or a larger span over masked slots,
+        computes the same tokens. Only when no compiled program can hold them does this call
+        wait for a compile.
+        """
+        plan = []
+        for rows in split_rows(count, self.batch_sizes):
+            key = (greedy, span, rows, width)
+            if key in self._programs:
+                plan.append((rows, span, width))
+                continue
+            if self._compiler is None:
+                self.inline_compiles += 1
+                self._compile(params, key)
+                plan.append((rows, span, width))
+                continue
+            future = self._compiling.get(key)
+            if future is None:
+                future = self._compiling[key] = self._compiler.submit(self._compile_behind,
+                                                                      params, key)
+            stand_in = self._stand_in(rows, span, width, greedy)
+            if stand_in is None:
+                self.inline_compiles += 1
+                future.result()  # nothing compiled holds these rows: wait for the compiler
+                plan.append((rows, span, width))
+            else:
+                plan.extend(stand_in)
+        return plan
+
+    def _compile_behind(self, params, key: tuple) -> None:
+        start = time.perf_counter()
+        try:
+            if key in self._programs:  # compiled while this one was queued
+                return
+            self._compile(params, key)
+            log.info("sampler program %s compiled in the background in %.1f s", key,
+                     time.perf_counter() - start)
+        finally:
+            self._compiling.pop(key, None)
+
+    def _stand_in(self, count: int, span: int | None, width: int,
+                  greedy: bool) -> list[tuple[int, int | None, int]] | None:
+        """Calls of compiled programs that hold `count` rows of (span, width), or None."""
+        fits = [(s, w) for g, s, _, w in list(self._programs)
+                if g == greedy and w >= width and (s is None) == (span is None)
+                and (span is None or s >= span)]
+        if not fits:
+            return None
+        call_span, call_width = min(fits, key=lambda sw: (sw[1], sw[0] or 0))
+        sizes = sorted(r for g, s, r, w in list(self._programs)
+                       if (g, s, w) == (greedy, call_span, call_width))
+        calls, left = [], count
+        while left > 0:  # the smallest size that holds the rest, else the largest there is
+            rows = next((r for r in sizes if r >= left), sizes[-1])
+            calls.append((rows, call_span, call_width))
+            left -= rows
+        return calls
+
+    def close(self) -> None:
+        """Drops queued background compiles (one already running finishes)."""
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)

@@ -98,10 +98,12 @@ def kept_episodes(config: Config, task: Task) -> int:
 
 
 def make_sampler(config: Config, task: Task, graphdef, seed: int, acting: bool = False) -> Sampler:
-    """The policy's sampler; an actor's (`acting`) keeps caches as `kept_episodes` says."""
+    """The policy's sampler. An actor's (`acting`) keeps caches as `kept_episodes` says and
+    compiles new shapes in the background, so a compile never stalls its episodes."""
     return Sampler(graphdef, task.sampler_settings, task.dims.vocab_size, config.shapes.buckets,
                    config.actor.max_batch, seed=seed,
-                   episodes=kept_episodes(config, task) if acting else 0)
+                   episodes=kept_episodes(config, task) if acting else 0,
+                   background_compiles=acting)
 
 
 def init_params(config: Config, task: Task):

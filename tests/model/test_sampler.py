@@ -1,5 +1,7 @@
 """The sampler's log-probs are the learner's: equal to a full forward pass at the same temperature."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,13 +118,14 @@ def test_split_rows_pads_little_with_ladder_sizes_only():
         split_rows(1025, sizes)
 
 
-@pytest.mark.parametrize("max_new", [1, 3])
-def test_kept_caches_match_full_forward_over_turns(max_new):
-    """Turns computed from each episode's kept cache give the full forward's log-probs."""
+@pytest.mark.parametrize("max_new, background", [(1, False), (3, False), (3, True)])
+def test_kept_caches_match_full_forward_over_turns(max_new, background):
+    """Turns computed from each episode's kept cache give the full forward's log-probs (also
+    when they ride in other shapes' programs while their own compile)."""
     graphdef, params = params_lib.init(DIMS, seed=4)
     settings = SamplerSettings(temperature=0.8, max_new_tokens=max_new, stop_ids=(2,))
     sampler = Sampler(graphdef, settings, DIMS.vocab_size, buckets=(8, 16, 32), max_batch=8,
-                      seed=1, episodes=4)
+                      seed=1, episodes=4, background_compiles=background)
     sampler.set_params(params, 0)
     rng = np.random.default_rng(0)
     contexts = {slot: rng.integers(3, 40, n).astype(np.int32)
@@ -143,3 +146,40 @@ def test_kept_caches_match_full_forward_over_turns(max_new):
     tokens, logps, _ = sampler.generate([other], slots=[0])
     np.testing.assert_allclose(logps[0], full_forward_logprobs(graphdef, params, other,
                                                                tokens[0], 0.8), atol=1e-5)
+
+
+def _wait_for_compiler(sampler: Sampler, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sampler._compiling:
+        assert time.monotonic() < deadline, "background compiles did not finish"
+        time.sleep(0.05)
+
+
+def test_new_shapes_compile_in_the_background_while_compiled_programs_serve():
+    """An actor's sampler waits for a compile only when no compiled program can hold a call's
+    rows; otherwise they ride in a wider or smaller program, with the same log-probs."""
+    graphdef, params = params_lib.init(DIMS, seed=5)
+    sampler = Sampler(graphdef, SamplerSettings(temperature=0.8, max_new_tokens=2),
+                      DIMS.vocab_size, buckets=(8, 16), max_batch=64, background_compiles=True)
+    sampler.set_params(params, 0)
+    rng = np.random.default_rng(3)
+    try:
+        def check(lengths):
+            contexts = [rng.integers(3, 40, n).astype(np.int32) for n in lengths]
+            tokens, logps, _ = sampler.generate(contexts)
+            for context, t, lp in zip(contexts, tokens, logps):
+                ref = full_forward_logprobs(graphdef, params, context, t, 0.8)
+                np.testing.assert_allclose(lp, ref, atol=1e-5)
+
+        check([10, 12, 9])  # nothing compiled: 8 rows of width 14 compile in line
+        assert sampler.inline_compiles == 1
+        assert split_rows(40, sampler.batch_sizes) == [64]
+        check([3] * 40)  # width 6, 64 rows: served by five calls of the 8 x 14 program
+        assert sampler.inline_compiles == 1
+        _wait_for_compiler(sampler)
+        assert {(8, 14), (64, 6)} <= {(k[2], k[3]) for k in sampler._programs}
+        assert sampler.compiles == 2
+        check([5] * 40)  # its own program now
+        assert sampler.inline_compiles == 1 and len(sampler._programs) == 2
+    finally:
+        sampler.close()
