@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="steady-state seconds measured per run")
     parser.add_argument("--measure-envs", type=int, default=256,
                         help="environments of the measurement run")
-    parser.add_argument("--max-policy-lag", type=int, default=4)
+    parser.add_argument("--max-policy-lag", type=int, default=0,
+                        help="the staleness limit of every run (default: per run, the limit that "
+                             "admits its pool, as in `headrace bench utilization`)")
     parser.add_argument("--warmup-allowance", type=float, default=45.0,
                         help="seconds allowed for start-up before the measured window")
     parser.add_argument("--target", type=float, default=0.95)
@@ -82,15 +84,22 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="headrace-bench-audit-") as tmp:
         root = pathlib.Path(tmp)
 
+        def limits(envs: int) -> tuple[int, int]:
+            """(max_policy_lag, buffer capacity) of a pool of `envs` environments."""
+            if args.max_policy_lag:  # a given limit: the buffer holds all that it admits
+                return args.max_policy_lag, (args.max_policy_lag + 1) * args.groups_per_batch
+            return audit.admitting_limits(envs, 8, args.groups_per_batch)
+
         def run(name: str, actors: int, envs: int, trace_rate: float,
                 settings: dict | None = None) -> pathlib.Path:
             data = util.base_config(args, root / name)
             data["run"].update(trace_rate=trace_rate, **(settings or {}))
+            data["staleness"]["max_policy_lag"], data["buffer"]["capacity"] = limits(
+                actors * envs)
             if args.quick:  # a smoke run: one process starts in seconds, not tens of seconds
                 data["run"].update(launcher="threads", learner_cpus=[], actor_cpus=[])
                 data["buffer"]["backend"] = data["weights"]["backend"] = "memory"
-            data["actor"].update(num_actors=actors, envs_per_actor=envs,
-                                 max_batch=max(1024, envs))
+            data["actor"].update(num_actors=actors, envs_per_actor=envs)
             util.run_training(data)
             return root / name
 
@@ -98,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         measured_dir = run("measure", 1, args.measure_envs, 1.0,
                            {"max_steps": 6, "max_wall_s": 120.0} if args.quick else {})
         report = audit.analyze(measured_dir, target=args.target, headroom=args.headroom,
-                               duration_s=args.duration, plot=False)
+                               duration_s=args.duration, plot=False,
+                               admit_pool=not args.max_policy_lag)
         m = audit.read_run(measured_dir)
         rec = report["recommendation"]
         cap = rec["envs_per_actor_cap"]
@@ -109,10 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         for factor in MULTIPLIERS:
             actors, per = audit.split_pool(int(total * factor), cap, m.group_size)
             # The prediction comes from the measurement run alone, before this pool runs.
-            predicted = audit.predict(m, actors, per, args.duration + m.group_latency_s)
+            predicted = audit.predict(m, actors, per, args.duration + m.group_latency_s,
+                                      limits=limits(actors * per))
             real = window_figures(run(f"x{factor}", actors, per, 0.01), args.duration)
             points.append({
                 "factor": factor, "actors": actors, "envs_per_actor": per,
+                "max_policy_lag": limits(actors * per)[0],
                 "measured_utilization": real["utilization"],
                 "predicted_utilization": predicted["learner_utilization"],
                 "measured_lag_mean": real["lag_mean"],
@@ -129,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         "measurement": {"envs": args.measure_envs, **report["measured"],
                         "stages": report["stages"], "rates": report["rates"],
                         "bottleneck": report["bottleneck"]},
-        "recommendation": {k: rec[k] for k in ("actors", "envs_per_actor",
+        "recommendation": {k: rec[k] for k in ("actors", "envs_per_actor", "max_policy_lag",
                                                "predicted_utilization", "predicted_lag_mean")}
         | {"little": rec["little"], "envs_per_actor_cap": cap},
         "targets": {
@@ -140,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"env_latency_s": args.env_latency, "duration_s": args.duration,
                      "groups_per_batch": args.groups_per_batch, "d_model": args.d_model,
                      "n_layers": args.n_layers, "epochs": args.epochs,
-                     "max_policy_lag": args.max_policy_lag, "keep_cache": args.keep_cache},
+                     "max_policy_lag": args.max_policy_lag or "admits each pool",
+                     "keep_cache": args.keep_cache},
     }
     benchlib.emit(result, as_json=args.json, title="latency audit: predicted vs measured")
     return 0

@@ -26,6 +26,7 @@ import threading
 import time
 
 from headrace import benchlib
+from headrace.audit.audit import admitting_limits
 
 PLACEMENT = {"learner_cpus": [0], "actor_cpus": []}
 MAX_TURNS, SIGMA = 5, 0.25  # guess_number's turns per episode; the env latency's lognormal sigma
@@ -215,14 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         slots = max(1, math.ceil(needed * headroom))
         if args.quick:  # a smoke run: a pool that starts in seconds (its few steps, most of
             slots = QUICK_GROUPS  # them compiling, measure no steady rate to size one from)
-        # Admission lets at most about (max_policy_lag + 1) batches be in flight or queued (a
-        # group must be trained within the lag limit of the weights it started with), so the limit
-        # must admit the in-flight count sized above, or no pool can keep the learner busy. It
-        # admits twice that: a group's lag also counts its slowest episode and its wait in the
-        # buffer, and a limit that binds drops groups the pool has already paid for. The pool, not
-        # the limit, then bounds what is in flight.
-        args.max_policy_lag = args.max_policy_lag or max(
-            4, math.ceil(2 * slots / args.groups_per_batch) - 1)
+        # The staleness limit and buffer that admit the pool (`audit.admitting_limits`): the
+        # pool, not the limit, then bounds what is in flight.
+        lag, capacity = admitting_limits(8 * slots, 8, args.groups_per_batch)
+        if args.max_policy_lag:  # a given limit: the buffer still holds all that it admits
+            lag, capacity = args.max_policy_lag, (args.max_policy_lag + 1) * args.groups_per_batch
+        args.max_policy_lag = lag
         sync_data = base_config(args, root / "sync")
         sync_data["run"]["mode"] = "sync"
         sync_data["actor"]["envs_per_actor"] = 8 * max(args.groups_per_batch, 1)
@@ -231,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         # max_batch stays 1,024: a call over thousands of episodes would hold each of them for
         # its whole length; a large turn is served by several calls instead.
         async_data["actor"]["envs_per_actor"] = 8 * slots
+        async_data["buffer"]["capacity"] = capacity
         result_async = run_training(async_data)
     result = {
         "learner_alone": alone, "sync": sync, "async": result_async,
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                    "in_flight_groups_needed": needed, "headroom": headroom,
                    "envs_per_actor_async": 8 * slots,
                    "max_policy_lag": args.max_policy_lag,
-                   "admission_window_groups": (args.max_policy_lag + 1) * args.groups_per_batch},
+                   "admission_window_groups": capacity, "buffer_capacity_async": capacity},
         "settings": {"env_latency_s": args.env_latency, "duration_s": args.duration,
                      "groups_per_batch": args.groups_per_batch, "group_size": 8,
                      "d_model": args.d_model, "n_layers": args.n_layers,

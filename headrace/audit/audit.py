@@ -156,9 +156,28 @@ def fit_inference(calls: np.ndarray) -> tuple[float, float]:
     return float(intercept), float(slope)
 
 
-def sim_spec(m: Measured, actors: int, envs_per_actor: int, duration_s: float) -> SimSpec:
-    """The pipeline of `m` with a given pool, every timing from the measurements."""
+def admitting_limits(envs: int, group_size: int, groups_per_batch: int,
+                     floor: int = 4) -> tuple[int, int]:
+    """(max_policy_lag, buffer capacity) that admit a pool of `envs` environments.
+
+    Admission lets about (limit + 1) batches be in flight or queued (a group must be trained
+    within the limit of the weights it started with), so a limit that admits only the pool's
+    groups already binds: a group's lag also counts its slowest episode and its wait in the
+    buffer, and a binding limit drops groups the pool has paid for. The limit admits twice the
+    pool, which then bounds what is in flight; the buffer holds all that admission lets in (a
+    smaller one blocks finished groups' puts, and their slots idle, when episodes finish
+    together).
+    """
+    lag = max(floor, math.ceil(2 * envs / group_size / groups_per_batch) - 1)
+    return lag, (lag + 1) * groups_per_batch
+
+
+def sim_spec(m: Measured, actors: int, envs_per_actor: int, duration_s: float,
+             limits: tuple[int, int] | None = None) -> SimSpec:
+    """The pipeline of `m` with a given pool, every timing from the measurements; `limits`
+    (max_policy_lag, buffer capacity) replace the measured run's."""
     c = m.config
+    lag, capacity = limits or (c.staleness.max_policy_lag, c.buffer.capacity)
     fixed_s, per_row_s = fit_inference(m.calls)
     model = "fine" if actors * envs_per_actor <= 20_000 else "aggregated"
     return SimSpec(
@@ -171,13 +190,12 @@ def sim_spec(m: Measured, actors: int, envs_per_actor: int, duration_s: float) -
                                     max_batch=c.actor.max_batch,
                                     wait_s=c.actor.batch_wait_ms / 1e3),
             pickup_s=Dist(kind="empirical", samples=tuple(m.spans.get("pickup", [0.0])))),
-        buffer=BufferSpec(capacity=c.buffer.capacity, put_s=fixed(m.put_s)),
+        buffer=BufferSpec(capacity=capacity, put_s=fixed(m.put_s)),
         learner=LearnerSpec(step_s=Dist(kind="empirical", samples=tuple(m.step_s)),
                             groups_per_batch=c.learner.groups_per_batch,
                             publish_every=c.learner.publish_every, publish_s=fixed(m.publish_s),
                             prefetch=2),  # the reader queues 2 batches of groups ahead
-        staleness=StalenessSpec(max_policy_lag=c.staleness.max_policy_lag,
-                                admission=c.run.mode == "async"))
+        staleness=StalenessSpec(max_policy_lag=lag, admission=c.run.mode == "async"))
 
 
 def envs_cap(m: Measured) -> int:
@@ -222,13 +240,17 @@ def little(m: Measured, headroom: float) -> dict:
 
 
 def predict(m: Measured, actors: int, envs_per_actor: int, duration_s: float,
-            seed: int = 0) -> dict:
+            seed: int = 0, limits: tuple[int, int] | None = None) -> dict:
     """The simulation's report for a pool (measured distributions, nothing of the run it predicts)."""
-    return simulate(sim_spec(m, actors, envs_per_actor, duration_s), seed)
+    return simulate(sim_spec(m, actors, envs_per_actor, duration_s, limits), seed)
 
 
-def recommend(m: Measured, *, target: float, headroom: float, duration_s: float) -> dict:
-    """The smallest simulated pool reaching `target` with mean lag within the limit."""
+def recommend(m: Measured, *, target: float, headroom: float, duration_s: float,
+              admit_pool: bool = False) -> dict:
+    """The smallest simulated pool reaching `target` with mean lag within the limit.
+
+    `admit_pool`: each pool is simulated with the staleness limit and buffer that admit it
+    (`admitting_limits`) instead of the measured run's, and the recommendation says which."""
     law = little(m, headroom)
     cap = envs_cap(m)
     g = m.group_size
@@ -240,21 +262,25 @@ def recommend(m: Measured, *, target: float, headroom: float, duration_s: float)
     candidates = sorted(pools, key=lambda p: p[0] * p[1])
     points = []
     for actors, per in candidates:
-        report = predict(m, actors, per, duration_s)
+        limits = (admitting_limits(actors * per, g, m.config.learner.groups_per_batch)
+                  if admit_pool else None)
+        lag = limits[0] if limits else m.config.staleness.max_policy_lag
+        report = predict(m, actors, per, duration_s, limits=limits)
         points.append({"actors": actors, "envs_per_actor": per, "envs": actors * per,
+                       "max_policy_lag": lag,
                        "learner_utilization": report["learner_utilization"],
                        "staleness_lag_mean": report["staleness_lag_mean"],
                        "staleness_lag_max": report["staleness_lag_max"],
                        "drop_rate": report["drop_rate"]})
-    limit = m.config.staleness.max_policy_lag
     for p in points:  # actor processes beyond the cores only share them: no more throughput
         p["fits_cores"] = cores is None or p["actors"] <= cores
     good = [p for p in points if p["learner_utilization"] >= target and p["fits_cores"]
-            and (p["staleness_lag_mean"] or 0) <= limit]
+            and (p["staleness_lag_mean"] or 0) <= p["max_policy_lag"]]
     fitting = [p for p in points if p["fits_cores"]] or points[:1]
     choice = good[0] if good else max(fitting, key=lambda p: p["learner_utilization"])
     return {"little": law, "envs_per_actor_cap": cap, "actor_cores": cores, "sweep": points,
             "actors": choice["actors"], "envs_per_actor": choice["envs_per_actor"],
+            "max_policy_lag": choice["max_policy_lag"],
             "predicted_utilization": choice["learner_utilization"],
             "predicted_lag_mean": choice["staleness_lag_mean"], "reached": bool(good)}
 
@@ -286,13 +312,15 @@ def bottleneck(m: Measured, target: float) -> tuple[str, str]:
 
 
 def analyze(run_dir: str | pathlib.Path, *, target: float = 0.95, headroom: float = 1.2,
-            duration_s: float = 300.0, plot: bool = True) -> dict:
-    """The audit report of a run folder; also written to RUN_DIR/audit.json (and audit.png)."""
+            duration_s: float = 300.0, plot: bool = True, admit_pool: bool = False) -> dict:
+    """The audit report of a run folder; also written to RUN_DIR/audit.json (and audit.png).
+    `admit_pool`: size the staleness limit and buffer to each pool (`recommend`)."""
     run_dir = pathlib.Path(run_dir)
     m = read_run(run_dir)
     c = m.config
     name, why = bottleneck(m, target)
-    rec = recommend(m, target=target, headroom=headroom, duration_s=duration_s)
+    rec = recommend(m, target=target, headroom=headroom, duration_s=duration_s,
+                    admit_pool=admit_pool)
     fixed_s, per_row_s = fit_inference(m.calls)
     report = {
         "run_dir": str(run_dir),
@@ -351,8 +379,9 @@ def format_report(report: dict) -> str:
         f"Little's law: {law['consume_groups_per_s']:.2f} groups/s x {law['group_latency_s']:.2f} s"
         f" = {law['groups_in_flight']:.1f} groups in flight; x{law['headroom']} headroom = "
         f"{law['envs_needed']} environments",
-        f"recommended: {rec['actors']} actor(s) x {rec['envs_per_actor']} envs -> predicted "
-        f"utilisation {rec['predicted_utilization']:.3f}, lag {rec['predicted_lag_mean'] or 0:.2f}"
+        f"recommended: {rec['actors']} actor(s) x {rec['envs_per_actor']} envs, "
+        f"max_policy_lag {rec['max_policy_lag']} -> predicted utilisation "
+        f"{rec['predicted_utilization']:.3f}, lag {rec['predicted_lag_mean'] or 0:.2f}"
         + ("" if rec["reached"] else f"  (target {report['target_utilization']} not reached)"),
         f"bottleneck: {report['bottleneck']} ({report['why']})",
     ]
@@ -370,6 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--headroom", type=float, default=1.2, help="Little's law safety factor")
     parser.add_argument("--horizon", type=float, default=300.0,
                         help="simulated seconds per candidate pool")
+    parser.add_argument("--admit-pool", action="store_true",
+                        help="size staleness.max_policy_lag and buffer.capacity to each candidate "
+                             "pool (the limit that admits it) instead of keeping the config's")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -388,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             run_dir = measure(load(source, args.set), args.duration)
         report = analyze(run_dir, target=args.target, headroom=args.headroom,
-                         duration_s=args.horizon)
+                         duration_s=args.horizon, admit_pool=args.admit_pool)
     except ConfigError as error:
         print(f"headrace audit: error: {error}", file=sys.stderr)
         return 2

@@ -92,6 +92,22 @@ def test_audit_of_a_run_folder_sizes_the_pool_and_plots(traced_run):
     assert "bottleneck" in result.stderr  # the readable report
 
 
+def test_admit_pool_sizes_each_pools_limit_to_admit_it(traced_run):
+    """Sized to admit each pool, the staleness limit lets twice its groups through admission
+    and the buffer holds them all; the recommendation says which limit it assumed."""
+    assert audit.admitting_limits(4952, 8, 16) == (77, 1248)  # 619 groups: 2 x 619 / 16 - 1
+    assert audit.admitting_limits(64, 8, 16) == (4, 80)  # small pools keep the floor
+    m = audit.read_run(traced_run)
+    gpb = m.config.learner.groups_per_batch
+    rec = audit.recommend(m, target=0.95, headroom=1.2, duration_s=30.0, admit_pool=True)
+    for point in rec["sweep"]:
+        assert point["max_policy_lag"] == audit.admitting_limits(point["envs"], 8, gpb)[0]
+    assert rec["max_policy_lag"] == audit.admitting_limits(
+        rec["actors"] * rec["envs_per_actor"], 8, gpb)[0]
+    kept = audit.recommend(m, target=0.95, headroom=1.2, duration_s=30.0)
+    assert {p["max_policy_lag"] for p in kept["sweep"]} == {m.config.staleness.max_policy_lag}
+
+
 def test_audit_refuses_what_it_cannot_read(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "headrace.cli", "audit",
                               str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
