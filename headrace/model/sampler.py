@@ -177,6 +177,7 @@ class Sampler:
         self.episodes = episodes  # episodes whose caches are kept across turns (slots 0..n-1)
         self._graphdef = graphdef
         self._pool = None  # their caches, made on first use
+        self._pool_shapes = None
         self._kept: list[np.ndarray | None] = [None] * episodes  # the tokens each slot holds
         self.buckets = tuple(buckets)
         self.batch_sizes = batch_ladder(max_batch)
@@ -286,6 +287,8 @@ class Sampler:
         if slots is not None and self._pool is None:
             model = params_lib.merge(self._graphdef, params)
             self._pool = model.init_cache(self.episodes + 1, self.buckets[-1])  # +1: padding's
+            self._pool_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                             self._pool)
         results, done = [], 0
         for rows, call_span, call_width in self._plan(params, len(news), span, width, greedy):
             chunk = news[done:done + rows]
@@ -317,21 +320,24 @@ class Sampler:
             logps.extend(logps_bg[i, :lengths_b[i]] for i in range(n))
         return tokens, logps
 
-    def _args(self, params, tokens_bw, valid_bw, start_b, slot_b) -> tuple:
+    def _args(self, params, tokens_bw, valid_bw, start_b, slot_b, pool=None) -> tuple:
         """A program's arguments (the kept-cache programs take the pool and the slots first)."""
         s = self.settings
         scalars = (np.float32(s.temperature), np.float32(s.top_p), self._allowed_v, self._stop_v,
                    np.int32(s.pad_id))
         if slot_b is None:
             return (params, tokens_bw, valid_bw, start_b, self._rng, *scalars)
-        return (params, self._pool, slot_b, tokens_bw, valid_bw, start_b, self._rng, *scalars)
+        pool = self._pool if pool is None else pool
+        return (params, pool, slot_b, tokens_bw, valid_bw, start_b, self._rng, *scalars)
 
     def _compile(self, params, key: tuple) -> None:
         """Compiles the program of `key` = (greedy, span, rows, width) from example arguments."""
         greedy, span, rows, width = key
+        # The pool by shape only: a call on the sampler thread may have donated (deleted) it.
+        pool = None if span is None else self._pool_shapes
         example = self._args(params, np.zeros((rows, width), np.int32),
                              np.ones((rows, width), bool), np.zeros(rows, np.int32),
-                             None if span is None else np.zeros(rows, np.int32))
+                             None if span is None else np.zeros(rows, np.int32), pool)
         if span is None:
             self._programs[key] = self._fns[greedy].lower(*example).compile()
         else:
