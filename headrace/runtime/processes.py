@@ -77,9 +77,10 @@ class Supervisor:
         self.restarts = 0
 
     def _start(self, child: Child) -> None:
-        child.process = self._context.Process(target=child.target, args=child.args,
-                                              name=child.name, daemon=False)
-        child.process.start()
+        process = self._context.Process(target=child.target, args=child.args, name=child.name,
+                                        daemon=False)
+        process.start()
+        child.process = process  # only once started: stop() joins what it finds here
 
     def start_learner(self) -> None:
         for child in self.learners:
