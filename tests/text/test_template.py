@@ -33,6 +33,7 @@ class RecordingSampler:
     """Stands in for `Sampler`: answers each context from a script, records what it saw."""
 
     episodes = 0  # keeps no cache between turns
+    compiles = inline_compiles = 0
 
     def __init__(self, script, max_context=4096, version=3):
         self.script = script  # context -> list of token ids to "generate"
@@ -53,6 +54,9 @@ class RecordingSampler:
             tokens.append(out)
             logps.append(lp)
         return tokens, logps, self.version
+
+    def close(self):
+        pass
 
 
 def play(env, seed, sampler, tokenizer):
