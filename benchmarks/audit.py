@@ -86,9 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def limits(envs: int) -> tuple[int, int]:
             """(max_policy_lag, buffer capacity) of a pool of `envs` environments."""
-            if args.max_policy_lag:  # a given limit: the buffer holds all that it admits
-                return args.max_policy_lag, (args.max_policy_lag + 1) * args.groups_per_batch
-            return audit.admitting_limits(envs, 8, args.groups_per_batch)
+            return audit.admitting_limits(envs, 8, args.groups_per_batch, args.max_policy_lag)
 
         def run(name: str, actors: int, envs: int, trace_rate: float,
                 settings: dict | None = None) -> pathlib.Path:

@@ -218,10 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             slots = QUICK_GROUPS  # them compiling, measure no steady rate to size one from)
         # The staleness limit and buffer that admit the pool (`audit.admitting_limits`): the
         # pool, not the limit, then bounds what is in flight.
-        lag, capacity = admitting_limits(8 * slots, 8, args.groups_per_batch)
-        if args.max_policy_lag:  # a given limit: the buffer still holds all that it admits
-            lag, capacity = args.max_policy_lag, (args.max_policy_lag + 1) * args.groups_per_batch
-        args.max_policy_lag = lag
+        args.max_policy_lag, capacity = admitting_limits(8 * slots, 8, args.groups_per_batch,
+                                                         args.max_policy_lag)
         sync_data = base_config(args, root / "sync")
         sync_data["run"]["mode"] = "sync"
         sync_data["actor"]["envs_per_actor"] = 8 * max(args.groups_per_batch, 1)

@@ -156,9 +156,10 @@ def fit_inference(calls: np.ndarray) -> tuple[float, float]:
     return float(intercept), float(slope)
 
 
-def admitting_limits(envs: int, group_size: int, groups_per_batch: int,
+def admitting_limits(envs: int, group_size: int, groups_per_batch: int, given: int = 0,
                      floor: int = 4) -> tuple[int, int]:
-    """(max_policy_lag, buffer capacity) that admit a pool of `envs` environments.
+    """(max_policy_lag, buffer capacity) that admit a pool of `envs` environments (`given`: a
+    limit chosen already, with the buffer that holds all it admits).
 
     Admission lets about (limit + 1) batches be in flight or queued (a group must be trained
     within the limit of the weights it started with), so a limit that admits only the pool's
@@ -168,7 +169,7 @@ def admitting_limits(envs: int, group_size: int, groups_per_batch: int,
     smaller one blocks finished groups' puts, and their slots idle, when episodes finish
     together).
     """
-    lag = max(floor, math.ceil(2 * envs / group_size / groups_per_batch) - 1)
+    lag = given or max(floor, math.ceil(2 * envs / group_size / groups_per_batch) - 1)
     return lag, (lag + 1) * groups_per_batch
 
 

@@ -97,6 +97,7 @@ def test_admit_pool_sizes_each_pools_limit_to_admit_it(traced_run):
     and the buffer holds them all; the recommendation says which limit it assumed."""
     assert audit.admitting_limits(4952, 8, 16) == (77, 1248)  # 619 groups: 2 x 619 / 16 - 1
     assert audit.admitting_limits(64, 8, 16) == (4, 80)  # small pools keep the floor
+    assert audit.admitting_limits(4952, 8, 16, given=9) == (9, 160)
     m = audit.read_run(traced_run)
     gpb = m.config.learner.groups_per_batch
     rec = audit.recommend(m, target=0.95, headroom=1.2, duration_s=30.0, admit_pool=True)
