@@ -104,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         # Quick: the measurement stops by steps, since a loaded machine may start slowly.
         measured_dir = run("measure", 1, args.measure_envs, 1.0,
                            {"max_steps": 6, "max_wall_s": 120.0} if args.quick else {})
+        m = audit.with_probe(audit.read_run(measured_dir))
         report = audit.analyze(measured_dir, target=args.target, headroom=args.headroom,
                                duration_s=args.duration, plot=False,
-                               admit_pool=not args.max_policy_lag)
-        m = audit.read_run(measured_dir)
+                               admit_pool=not args.max_policy_lag, measured=m)
         rec = report["recommendation"]
         cap = rec["envs_per_actor_cap"]
         total = rec["actors"] * rec["envs_per_actor"]

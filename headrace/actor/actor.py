@@ -21,6 +21,7 @@ import uuid
 import zlib
 from collections.abc import Callable
 
+from headrace.actor.cpu import TurnCpu
 from headrace.actor.episode import EpisodeResult, run_episode
 from headrace.actor.policy import BatchedPolicy, WeightSync
 from headrace.buffer.admission import Admission, Heartbeat, wait_admit
@@ -109,14 +110,16 @@ class Actor:
         heartbeat = Heartbeat(self.admission, self.actor_id) if self.admission else None
         if heartbeat is not None:
             heartbeat.start()
-        cpu_at, wall_at = time.process_time(), time.monotonic()
+        turn_cpu = TurnCpu(prefix=f"{self.actor_id}-io")
+        cpu_at, turn_at, wall_at = time.process_time(), turn_cpu.read(), time.monotonic()
         try:
             while not self.stop.is_set():
                 await asyncio.sleep(0.05)
                 if time.monotonic() - wall_at >= 2.0:  # this process's CPU use (audit sizing)
-                    cpu, wall = time.process_time(), time.monotonic()
+                    cpu, turn, wall = time.process_time(), turn_cpu.read(), time.monotonic()
                     self.metrics.gauge("actor/cpu_frac", (cpu - cpu_at) / (wall - wall_at))
-                    cpu_at, wall_at = cpu, wall
+                    self.metrics.gauge("actor/turn_cpu_frac", (turn - turn_at) / (wall - wall_at))
+                    cpu_at, turn_at, wall_at = cpu, turn, wall
         finally:
             if heartbeat is not None:
                 heartbeat.stop()

@@ -10,7 +10,12 @@
    put) x headroom — then a simulation (`headrace.audit.simulate`, driven by the measured
    distributions) of the candidate pools around it; the recommendation is the smallest pool whose
    predicted utilisation reaches the target with mean lag within `staleness.max_policy_lag`.
-   Environments per actor are capped where the actor's sampler would be over 70 % busy.
+   An actor's core serves its policy calls (a fixed cost per call, a cost per row) and its
+   turns' work outside them (event loop, environment steps, buffer puts: the measured CPU of
+   those threads per turn); the simulation charges both to the actor's sampler, and
+   environments per actor are capped where the rows alone would keep the core 90 % busy. With
+   `probe`, timed calls of up to `actor.max_batch` rows (`headrace.audit.probe`) join the
+   traced ones, since a small pool's calls show nothing of a large pool's.
 4. Report: the bottleneck by name, a plot (PNG) of predicted utilisation and lag against the pool,
    and `audit.json` in the run folder.
 """
@@ -41,7 +46,7 @@ from headrace.audit.sim_spec import (
 from headrace.audit.simulate import plot_sweep, simulate
 from headrace.config import Config, ConfigError, load
 
-SAMPLER_BUSY_MAX = 0.7  # environments per actor are capped where its sampler is this busy
+ACTOR_BUSY_MAX = 0.9  # an actor's core this busy is the pool's limit (rows per actor capped)
 AUDIT_FILE = "audit.json"
 PLOT_FILE = "audit.png"
 
@@ -63,6 +68,10 @@ class Measured:
     put_s: float
     publish_s: float
     cpu_frac: float  # CPU an actor process used (cores), when actors are processes; 0: unknown
+    turn_cpu_frac: float  # of it, the threads that run turns (event loop, its executor)
+    turns_per_s: float  # turns one actor ran per second over the window
+    episode_tokens: float  # tokens of an episode (mean)
+    probed: int = 0  # of `calls`, those the sampler probe timed (`with_probe`)
 
     @property
     def group_size(self) -> int:
@@ -126,19 +135,37 @@ def read_run(run_dir: str | pathlib.Path) -> Measured:
     window = trained[-1]["time"] - trained[0]["time"] if len(trained) > 1 else 0.0
     put = (last.get("actor/episodes", 0) - (trained[0].get("actor/episodes", 0) if trained else 0))
     lags = [r["staleness/lag_mean"] for r in trained if "staleness/lag_mean" in r]
+    turns = [len(e["env"]) or 1 for t in traces for e in t["episodes"]]
+
+    def actor_cpu(key: str) -> float:  # an actor process's median, when actors are processes
+        values = [r[key] for r in trained if key in r]
+        return float(np.median(values)) if values and config.run.launcher == "processes" else 0.0
+
     return Measured(
         config=config, traces=traces, spans=spans,
         step_s=[end - start for start, end in steps] or [last.get("learner/step_s_mean", 1.0)],
         calls=np.array([(rows, end - start) for start, end, rows in calls], dtype=np.float64
                        ).reshape(-1, 2),
-        turns=[len(e["env"]) or 1 for t in traces for e in t["episodes"]],
+        turns=turns,
         utilization=float(last.get("learner/utilization", 0.0)),
         lag_mean=float(np.mean(lags)) if lags else 0.0,
         window_s=window, groups_put=put / config.actor.group_size,
         put_s=float(last.get("actor/put_s_p50", 0.0)),
         publish_s=float(last.get("weights/publish_s_p50", 0.0)),
-        cpu_frac=(float(np.median([r["actor/cpu_frac"] for r in trained if "actor/cpu_frac" in r]
-                                  or [0.0])) if config.run.launcher == "processes" else 0.0))
+        cpu_frac=actor_cpu("actor/cpu_frac"), turn_cpu_frac=actor_cpu("actor/turn_cpu_frac"),
+        turns_per_s=(put * float(np.mean(turns)) / window / config.actor.num_actors
+                     if window > 0 else 0.0),
+        episode_tokens=float(last.get("episode/length_mean", 0.0)))
+
+
+def with_probe(m: Measured) -> Measured:
+    """`m` with timed sampler calls up to `actor.max_batch` rows added to its traced calls."""
+    from headrace.audit.probe import context_lengths, probe_calls
+
+    lengths = context_lengths(m.episode_tokens, float(np.mean(m.turns)),
+                              m.config.shapes.buckets[-1] - m.config.sampling.max_new_tokens)
+    probed = probe_calls(m.config, lengths)
+    return dataclasses.replace(m, calls=np.vstack([m.calls, probed]), probed=len(probed))
 
 
 def fit_inference(calls: np.ndarray) -> tuple[float, float]:
@@ -179,7 +206,7 @@ def sim_spec(m: Measured, actors: int, envs_per_actor: int, duration_s: float,
     (max_policy_lag, buffer capacity) replace the measured run's."""
     c = m.config
     lag, capacity = limits or (c.staleness.max_policy_lag, c.buffer.capacity)
-    fixed_s, per_row_s = fit_inference(m.calls)
+    fixed_s, per_row_s = actor_costs(m, actors)
     model = "fine" if actors * envs_per_actor <= 20_000 else "aggregated"
     return SimSpec(
         duration_s=duration_s, model=model,
@@ -199,18 +226,36 @@ def sim_spec(m: Measured, actors: int, envs_per_actor: int, duration_s: float,
         staleness=StalenessSpec(max_policy_lag=lag, admission=c.run.mode == "async"))
 
 
-def envs_cap(m: Measured) -> int:
-    """Most environments one actor serves before its sampler is SAMPLER_BUSY_MAX busy, or (actor
-    processes) before the process uses SAMPLER_BUSY_MAX of a core: CPU grows with its episodes."""
+def turn_cost_s(m: Measured) -> float:
+    """CPU seconds a turn costs its actor outside the policy call (event loop, environment step,
+    buffer put), from the turn threads' measured CPU; 0 when not measured."""
+    if m.turn_cpu_frac <= 0 or m.turns_per_s <= 0:
+        return 0.0
+    return m.turn_cpu_frac / m.turns_per_s
+
+
+def actor_costs(m: Measured, actors: int) -> tuple[float, float]:
+    """(fixed_s, per_row_s) of a policy call as the actor's core sees it: the fitted call cost,
+    each row also paying its turn's work outside the call (one core serves both), and both
+    stretched when more actor processes than actor cores share them."""
     fixed_s, per_row_s = fit_inference(m.calls)
-    turn_s = float(np.mean(m.spans.get("env_step", [0.0]))) + float(
-        np.mean(m.spans.get("inference", [0.0])))
+    share = max(1.0, actors / actor_cores(m.config)) if m.cpu_frac > 0 else 1.0
+    return fixed_s * share, (per_row_s + turn_cost_s(m)) * share
+
+
+def envs_cap(m: Measured) -> int:
+    """Most environments one actor serves before its rows keep its core ACTOR_BUSY_MAX busy:
+    each turn costs `per_row_s` (`actor_costs`) and an environment runs one every `turn_s`, as
+    measured (environments per actor / turns per second: an episode also waits for its group's
+    slowest and for admission), else an env step + a policy call. Calls' fixed costs take the
+    rest of the core, a share that shrinks as calls grow (they batch what queued). Without a
+    per-row cost (none measured), `actor.max_batch`."""
+    _, per_row_s = actor_costs(m, 1)
+    turn_s = (m.config.actor.envs_per_actor / m.turns_per_s if m.turns_per_s > 0 else
+              float(np.mean(m.spans.get("env_step", [0.0])))
+              + float(np.mean(m.spans.get("inference", [0.0]))))
     g = m.group_size
-    cap = float(m.config.actor.max_batch)
-    if per_row_s > 0:
-        cap = min(cap, (SAMPLER_BUSY_MAX * turn_s - fixed_s) / per_row_s)
-    if m.cpu_frac > 0:
-        cap = min(cap, m.config.actor.envs_per_actor * SAMPLER_BUSY_MAX / m.cpu_frac)
+    cap = ACTOR_BUSY_MAX * turn_s / per_row_s if per_row_s > 0 else m.config.actor.max_batch
     return max(g, int(cap) // g * g)
 
 
@@ -301,7 +346,7 @@ def bottleneck(m: Measured, target: float) -> tuple[str, str]:
     if buffer_s > 0.1 * mean.get("generate", episode_s):
         return "buffer", (f"a put takes {buffer_s:.3f} s, over 10 % of the group latency "
                           f"{mean.get('generate', episode_s):.3f} s")
-    if m.cpu_frac >= SAMPLER_BUSY_MAX:
+    if m.cpu_frac >= ACTOR_BUSY_MAX:
         return "actor CPU", (f"an actor process used {m.cpu_frac:.2f} cores; more environments "
                              "per actor would only queue: add actor cores")
     if sync_s > float(np.mean(m.step_s)):
@@ -313,11 +358,13 @@ def bottleneck(m: Measured, target: float) -> tuple[str, str]:
 
 
 def analyze(run_dir: str | pathlib.Path, *, target: float = 0.95, headroom: float = 1.2,
-            duration_s: float = 300.0, plot: bool = True, admit_pool: bool = False) -> dict:
+            duration_s: float = 300.0, plot: bool = True, admit_pool: bool = False,
+            measured: Measured | None = None) -> dict:
     """The audit report of a run folder; also written to RUN_DIR/audit.json (and audit.png).
-    `admit_pool`: size the staleness limit and buffer to each pool (`recommend`)."""
+    `admit_pool`: size the staleness limit and buffer to each pool (`recommend`); `measured`:
+    the folder's measurements as `read_run` (and `with_probe`) gave them."""
     run_dir = pathlib.Path(run_dir)
-    m = read_run(run_dir)
+    m = measured or read_run(run_dir)
     c = m.config
     name, why = bottleneck(m, target)
     rec = recommend(m, target=target, headroom=headroom, duration_s=duration_s,
@@ -334,7 +381,10 @@ def analyze(run_dir: str | pathlib.Path, *, target: float = 0.95, headroom: floa
                   "learner_step_s_mean": float(np.mean(m.step_s)),
                   "actor_produce_groups_per_s": (m.groups_put / m.window_s / c.actor.num_actors
                                                  if m.window_s > 0 else None),
-                  "inference_fixed_s": fixed_s, "inference_per_row_s": per_row_s},
+                  "inference_fixed_s": fixed_s, "inference_per_row_s": per_row_s,
+                  "inference_calls_probed": m.probed,
+                  "actor_cpu_frac": m.cpu_frac, "actor_turn_cpu_frac": m.turn_cpu_frac,
+                  "actor_turns_per_s": m.turns_per_s, "turn_cost_s": turn_cost_s(m)},
         "bottleneck": name, "why": why,
         "recommendation": rec, "target_utilization": target,
     }
@@ -403,6 +453,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--admit-pool", action="store_true",
                         help="size staleness.max_policy_lag and buffer.capacity to each candidate "
                              "pool (the limit that admits it) instead of keeping the config's")
+    parser.add_argument("--no-probe", dest="probe", action="store_false",
+                        help="fit the policy-call cost to the traced calls alone (skips timing "
+                             "the sampler on calls of up to actor.max_batch rows)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -420,8 +473,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_dir = source
         else:
             run_dir = measure(load(source, args.set), args.duration)
+        m = read_run(run_dir)
         report = analyze(run_dir, target=args.target, headroom=args.headroom,
-                         duration_s=args.horizon, admit_pool=args.admit_pool)
+                         duration_s=args.horizon, admit_pool=args.admit_pool,
+                         measured=with_probe(m) if args.probe else m)
     except ConfigError as error:
         print(f"headrace audit: error: {error}", file=sys.stderr)
         return 2

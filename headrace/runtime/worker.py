@@ -129,3 +129,35 @@ def actor_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: str,
         buffer.close()
 
 
+
+
+def probe_main(config_data: dict[str, Any], cpus: tuple[int, ...], rows: tuple[int, ...],
+               lengths: tuple[int, ...], repeats: int, conn) -> None:
+    """Times the actor's sampler on calls of each row count (`headrace.audit.probe`), set up as
+    an actor is (its CPUs); sends [(rows, seconds)...] through `conn`. Fresh weights: a call's
+    cost does not depend on their values."""
+    _setup("probe", cpus, 0)
+    import time
+
+    import numpy as np
+
+    from headrace.config import load
+    from headrace.runtime import build
+
+    config = load(data=config_data)
+    task = build.build_task(config)
+    graphdef, params = build.init_params(config, task)
+    sampler = build.make_sampler(config, task, graphdef, seed=config.run.seed)
+    sampler.set_params(params, 0)
+    rng = np.random.default_rng(config.run.seed)
+    timed = []
+    for n in rows:
+        contexts = [rng.integers(0, task.dims.vocab_size, lengths[i % len(lengths)]).tolist()
+                    for i in range(n)]
+        sampler.generate(contexts)  # compiles this shape: not timed
+        for _ in range(repeats):
+            start = time.perf_counter()
+            sampler.generate(contexts)
+            timed.append((n, time.perf_counter() - start))
+    sampler.close()
+    conn.send(timed)

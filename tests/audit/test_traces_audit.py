@@ -1,5 +1,6 @@
 """End-to-end traces (traces.jsonl, stages.json, trace/* metrics) and `headrace audit` on them."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -86,6 +87,7 @@ def test_audit_of_a_run_folder_sizes_the_pool_and_plots(traced_run):
     assert report["bottleneck"] in ("environment", "inference", "buffer", "learner",
                                     "weight sync", "actor CPU")
     assert report["rates"]["learner_consume_groups_per_s"] > 0
+    assert report["rates"]["inference_calls_probed"] == 3 * 3  # 1, 8, 32 rows (max_batch 64), 3 each
     assert (traced_run / "audit.png").stat().st_size > 1000
     assert json.loads((traced_run / "audit.json").read_text())["bottleneck"] == \
         report["bottleneck"]
@@ -107,6 +109,25 @@ def test_admit_pool_sizes_each_pools_limit_to_admit_it(traced_run):
         rec["actors"] * rec["envs_per_actor"], 8, gpb)[0]
     kept = audit.recommend(m, target=0.95, headroom=1.2, duration_s=30.0)
     assert {p["max_policy_lag"] for p in kept["sweep"]} == {m.config.staleness.max_policy_lag}
+
+
+def test_actor_costs_charge_each_turns_work_to_its_row(traced_run):
+    """One core serves an actor's policy calls and its turns' work outside them: each row pays
+    both, processes beyond the actor cores share them, and the per-actor cap is where rows alone
+    keep the core 90 % busy."""
+    m = dataclasses.replace(audit.read_run(traced_run),
+                            calls=np.array([[1.0, 0.0042], [101.0, 0.0242]]),
+                            cpu_frac=0.5, turn_cpu_frac=0.3, turns_per_s=1000.0)
+    fixed, per_row = audit.actor_costs(m, 1)
+    assert fixed == pytest.approx(0.004) and per_row == pytest.approx(2e-4 + 3e-4)
+    cores = audit.actor_cores(m.config)
+    assert audit.actor_costs(m, 2 * cores) == pytest.approx((0.008, 1e-3))
+    turn_s = m.config.actor.envs_per_actor / m.turns_per_s  # 32 environments, 1,000 turns/s
+    assert audit.envs_cap(m) == int(audit.ACTOR_BUSY_MAX * turn_s / per_row) // 8 * 8
+    unmeasured = dataclasses.replace(m, cpu_frac=0.0, turn_cpu_frac=0.0)  # threads launcher
+    assert audit.actor_costs(unmeasured, 2 * cores) == pytest.approx((0.004, 2e-4))
+    spec = audit.sim_spec(m, 1, 64, 10.0)
+    assert spec.actors.inference.per_row_s == pytest.approx(per_row)
 
 
 def test_audit_refuses_what_it_cannot_read(tmp_path):
