@@ -71,6 +71,7 @@ class Measured:
     turn_cpu_frac: float  # of it, the threads that run turns (event loop, its executor)
     turns_per_s: float  # turns one actor ran per second over the window
     episode_tokens: float  # tokens of an episode (mean)
+    learner_cpu_s: float = 0.0  # the learner process's CPU per step (0: not measured)
     probed: int = 0  # of `calls`, those the sampler probe timed (`with_probe`)
 
     @property
@@ -78,9 +79,20 @@ class Measured:
         return self.config.actor.group_size
 
     @property
+    def busy_step_s(self) -> list[float]:
+        """Learner steps as they run back to back. A learner on one core then also does the
+        host work between steps (publishing, building batches, reading) while a step runs, work
+        that a learner waiting for data did in its idle time: its steps stretch to the process's
+        CPU per step, when that is more."""
+        mean = float(np.mean(self.step_s))
+        if len(self.config.run.learner_cpus) != 1 or self.learner_cpu_s <= mean:
+            return self.step_s
+        return [s * self.learner_cpu_s / mean for s in self.step_s]
+
+    @property
     def consume_capacity(self) -> float:
         """Groups per second the learner trains when never kept waiting."""
-        return self.config.learner.groups_per_batch / float(np.mean(self.step_s))
+        return self.config.learner.groups_per_batch / float(np.mean(self.busy_step_s))
 
     @property
     def group_latency_s(self) -> float:
@@ -155,7 +167,10 @@ def read_run(run_dir: str | pathlib.Path) -> Measured:
         cpu_frac=actor_cpu("actor/cpu_frac"), turn_cpu_frac=actor_cpu("actor/turn_cpu_frac"),
         turns_per_s=(put * float(np.mean(turns)) / window / config.actor.num_actors
                      if window > 0 else 0.0),
-        episode_tokens=float(last.get("episode/length_mean", 0.0)))
+        episode_tokens=float(last.get("episode/length_mean", 0.0)),
+        learner_cpu_s=(last["learner/cpu_frac"] / last["learner/steps_per_s"]
+                       if last.get("learner/cpu_frac") and last.get("learner/steps_per_s")
+                       else 0.0))
 
 
 def with_probe(m: Measured) -> Measured:
@@ -219,7 +234,7 @@ def sim_spec(m: Measured, actors: int, envs_per_actor: int, duration_s: float,
                                     wait_s=c.actor.batch_wait_ms / 1e3),
             pickup_s=Dist(kind="empirical", samples=tuple(m.spans.get("pickup", [0.0])))),
         buffer=BufferSpec(capacity=capacity, put_s=fixed(m.put_s)),
-        learner=LearnerSpec(step_s=Dist(kind="empirical", samples=tuple(m.step_s)),
+        learner=LearnerSpec(step_s=Dist(kind="empirical", samples=tuple(m.busy_step_s)),
                             groups_per_batch=c.learner.groups_per_batch,
                             publish_every=c.learner.publish_every, publish_s=fixed(m.publish_s),
                             prefetch=2),  # the reader queues 2 batches of groups ahead
@@ -379,6 +394,7 @@ def analyze(run_dir: str | pathlib.Path, *, target: float = 0.95, headroom: floa
                      "window_s": m.window_s},
         "rates": {"learner_consume_groups_per_s": m.consume_capacity,
                   "learner_step_s_mean": float(np.mean(m.step_s)),
+                  "learner_cpu_s_per_step": m.learner_cpu_s,
                   "actor_produce_groups_per_s": (m.groups_put / m.window_s / c.actor.num_actors
                                                  if m.window_s > 0 else None),
                   "inference_fixed_s": fixed_s, "inference_per_row_s": per_row_s,

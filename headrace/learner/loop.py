@@ -118,6 +118,7 @@ class Learner:
         self._first_step_at: float | None = None
         self._busy_s = 0.0
         self._compile_s = 0.0  # steps that compiled a new shape (warm-up, not utilisation)
+        self._cpu_at_first = 0.0  # this process's CPU time when the first step began
         self._compiled_steps = 0
         self._tokens = 0
         self.done = threading.Event()
@@ -372,6 +373,7 @@ class Learner:
         was compiled during it)."""
         if self._first_step_at is None:
             self._first_step_at = start
+            self._cpu_at_first = time.process_time()
         self.step += 1
         # A step that compiled is warm-up, not steady state: it is left out of utilisation and
         # of the rates (its time is `learner/compile_s`).
@@ -388,6 +390,10 @@ class Learner:
         m.gauge("learner/compile_s", self._compile_s)
         m.gauge("learner/tokens_per_s", self._tokens / window)
         m.gauge("learner/steps_per_s", (self.step - self._compiled_steps) / window)
+        # The process's CPU over the same window (a compile's time taken as CPU): with the
+        # steps per second, what a step costs its cores all told (the audit's consume rate).
+        m.gauge("learner/cpu_frac",
+                (time.process_time() - self._cpu_at_first - self._compile_s) / window)
         m.gauge("learner/step", self.step)
         m.gauge("learner/version", self.version)
         m.gauge("learner/compiles", compiles.compiles("train_step"))

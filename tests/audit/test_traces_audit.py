@@ -12,7 +12,7 @@ from headrace.actor.actor import traced
 from headrace.audit import audit
 from headrace.audit.hint import sizing_hint
 from headrace.audit.traces import GROUP_STAGES
-from headrace.config import load
+from headrace.config import load, replace
 from headrace.weights.directory import DirWeightStore
 
 ORDER = ("requested", "admitted", "started", "finished", "put", "got", "gated", "train_started",
@@ -128,6 +128,19 @@ def test_actor_costs_charge_each_turns_work_to_its_row(traced_run):
     assert audit.actor_costs(unmeasured, 2 * cores) == pytest.approx((0.004, 2e-4))
     spec = audit.sim_spec(m, 1, 64, 10.0)
     assert spec.actors.inference.per_row_s == pytest.approx(per_row)
+
+
+def test_a_one_core_learner_runs_its_steps_stretched_to_its_cpu_per_step(traced_run):
+    """Back to back, a learner on one core does its host work between steps while a step runs:
+    its steps take the process's CPU per step, when that is more than the measured step."""
+    m = audit.read_run(traced_run)
+    mean = float(np.mean(m.step_s))
+    one_core = dataclasses.replace(m, config=replace(m.config, run={"learner_cpus": [0]}),
+                                   learner_cpu_s=1.25 * mean)
+    assert np.mean(one_core.busy_step_s) == pytest.approx(1.25 * mean)
+    assert one_core.consume_capacity == pytest.approx(m.consume_capacity / 1.25)
+    assert dataclasses.replace(m, learner_cpu_s=1.25 * mean).busy_step_s == m.step_s  # unpinned
+    assert dataclasses.replace(one_core, learner_cpu_s=0.5 * mean).busy_step_s == m.step_s
 
 
 def test_audit_refuses_what_it_cannot_read(tmp_path):
