@@ -13,9 +13,9 @@
    An actor's core serves its policy calls (a fixed cost per call, a cost per row) and its
    turns' work outside them (event loop, environment steps, buffer puts: the measured CPU of
    those threads per turn); the simulation charges both to the actor's sampler, and
-   environments per actor are capped where the rows alone would keep the core 90 % busy. With
-   `probe`, timed calls of up to `actor.max_batch` rows (`headrace.audit.probe`) join the
-   traced ones, since a small pool's calls show nothing of a large pool's.
+   environments per actor are capped where the rows alone would keep the core 90 % busy.
+   `with_probe` adds timed calls of up to `actor.max_batch` rows (`headrace.audit.probe`) to
+   the traced ones, since a small pool's calls show nothing of a large pool's.
 4. Report: the bottleneck by name, a plot (PNG) of predicted utilisation and lag against the pool,
    and `audit.json` in the run folder.
 """
@@ -168,9 +168,9 @@ def read_run(run_dir: str | pathlib.Path) -> Measured:
         turns_per_s=(put * float(np.mean(turns)) / window / config.actor.num_actors
                      if window > 0 else 0.0),
         episode_tokens=float(last.get("episode/length_mean", 0.0)),
-        learner_cpu_s=(last["learner/cpu_frac"] / last["learner/steps_per_s"]
-                       if last.get("learner/cpu_frac") and last.get("learner/steps_per_s")
-                       else 0.0))
+        learner_cpu_s=(last["learner/cpu_frac"] / last["learner/steps_per_s"]  # its own process
+                       if config.run.launcher == "processes" and last.get("learner/cpu_frac")
+                       and last.get("learner/steps_per_s") else 0.0))
 
 
 def with_probe(m: Measured) -> Measured:

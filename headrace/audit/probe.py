@@ -19,6 +19,7 @@ from headrace.config import Config
 log = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 8, 32, 128, 512)
+PROBE_TOKENS = 65_536  # context tokens per probed call at most (long contexts probe fewer rows)
 PROBE_TIMEOUT_S = 300.0
 
 
@@ -32,12 +33,13 @@ def context_lengths(episode_tokens: float, turns: float, limit: int) -> tuple[in
 
 def probe_calls(config: Config, lengths: tuple[int, ...], repeats: int = 3,
                 timeout_s: float = PROBE_TIMEOUT_S) -> np.ndarray:
-    """[n, 2] (rows, seconds) of timed sampler calls up to `actor.max_batch` rows; empty (and
-    logged) when the probe fails or runs past `timeout_s`: the audit then fits the traced calls
-    alone."""
+    """[n, 2] (rows, seconds) of timed sampler calls up to `actor.max_batch` rows (and
+    PROBE_TOKENS context tokens); empty (and logged) when the probe fails or runs past
+    `timeout_s`: the audit then fits the traced calls alone."""
     from headrace.runtime import worker
 
-    rows = tuple(r for r in PROBE_ROWS if r <= config.actor.max_batch)
+    most = min(config.actor.max_batch, max(1, PROBE_TOKENS // max(lengths)))
+    rows = tuple(r for r in PROBE_ROWS if r <= most)
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
     process = ctx.Process(target=worker.probe_main, name="probe", daemon=True,

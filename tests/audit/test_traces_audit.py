@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from headrace.actor.actor import traced
-from headrace.audit import audit
+from headrace.audit import audit, probe
 from headrace.audit.hint import sizing_hint
 from headrace.audit.traces import GROUP_STAGES
 from headrace.config import load, replace
@@ -128,6 +128,11 @@ def test_actor_costs_charge_each_turns_work_to_its_row(traced_run):
     assert audit.actor_costs(unmeasured, 2 * cores) == pytest.approx((0.004, 2e-4))
     spec = audit.sim_spec(m, 1, 64, 10.0)
     assert spec.actors.inference.per_row_s == pytest.approx(per_row)
+
+
+def test_probe_contexts_span_an_episodes_turns():
+    assert probe.context_lengths(100.0, 4.0, limit=60) == (25, 50, 60, 60)
+    assert probe.context_lengths(3.0, 5.0, limit=60) == (1, 2, 2, 2, 3)
 
 
 def test_a_one_core_learner_runs_its_steps_stretched_to_its_cpu_per_step(traced_run):
