@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                      "groups_per_batch": args.groups_per_batch, "d_model": args.d_model,
                      "n_layers": args.n_layers, "epochs": args.epochs,
                      "max_policy_lag": args.max_policy_lag or "admits each pool",
-                     "keep_cache": args.keep_cache},
+                     "keep_cache": args.keep_cache, "precompile": args.precompile},
     }
     benchlib.emit(result, as_json=args.json, title="latency audit: predicted vs measured")
     return 0

@@ -51,7 +51,8 @@ def base_config(args, run_dir: pathlib.Path) -> dict:
         "model": {"preset": "custom", "d_model": 64 if quick else args.d_model,
                   "n_layers": 2 if quick else args.n_layers, "n_heads": 4, "n_kv_heads": 2,
                   "d_ff": 128 if quick else 4 * args.d_model, "max_len": 64},
-        "sampling": {"max_new_tokens": 1, "keep_cache": args.keep_cache},
+        "sampling": {"max_new_tokens": 1, "keep_cache": args.keep_cache,
+                     "precompile": args.precompile},
         "actor": {"num_actors": 1, "envs_per_actor": 64, "group_size": 8, "max_batch": 1024},
         "buffer": {"backend": "redis", "capacity": 4 * args.groups_per_batch,
                    "max_pending": 16 * args.groups_per_batch},
@@ -180,6 +181,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
                         help="learner.epochs: passes over each batch (updates per trajectory)")
     parser.add_argument("--keep-cache", action="store_true",
                         help="sampling.keep_cache: actors keep each episode's cache between turns")
+    parser.add_argument("--precompile", action="store_true",
+                        help="sampling.precompile: actors compile every sampling program before "
+                             "their first episode")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                      "groups_per_batch": args.groups_per_batch, "group_size": 8,
                      "d_model": args.d_model, "n_layers": args.n_layers,
                      "epochs": args.epochs, "keep_cache": args.keep_cache,
+                     "precompile": args.precompile,
                      "learner_cpus": PLACEMENT["learner_cpus"]},
         "async_over_sync_steps": (result_async["steps_per_s"] / sync["steps_per_s"]
                                   if sync["steps_per_s"] else None),

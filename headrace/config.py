@@ -161,6 +161,10 @@ class SamplingConfig:
     # new tokens; earlier turns keep the weights that computed them (PipelineRL). Memory: envs x
     # largest bucket x layers x 2 x kv heads x head size x dtype bytes; more programs to compile.
     keep_cache: bool = False
+    # An actor compiles every sampling program its calls can use (each length bucket x each row
+    # count of actor.max_batch's ladder) before its first episode, so no compile lands in the
+    # steady state (without it, new shapes compile in the background while compiled ones serve).
+    precompile: bool = False
 
     def __post_init__(self):
         _check(self.temperature > 0, "sampling.temperature", self.temperature, "must be > 0")

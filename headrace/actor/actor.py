@@ -100,6 +100,11 @@ class Actor:
         while not sync.refresh(force=True):  # version 0 is published before actors start
             if self.stop.wait(0.05):
                 return
+        if self.config.sampling.precompile:  # before the first episode: none compiles later
+            start = time.perf_counter()
+            count = await asyncio.to_thread(self.sampler.precompile)
+            log.info("actor %s: %d sampler programs compiled in %.1f s", self.actor_id, count,
+                     time.perf_counter() - start)
         policy = BatchedPolicy(self.sampler, self.metrics, max_batch=actor.max_batch,
                                wait_s=actor.batch_wait_ms / 1e3, sync=sync)
         envs = [self.make_env() for _ in range(actor.envs_per_actor)]

@@ -284,11 +284,8 @@ class Sampler:
         """One shape's rows, in calls of batch-ladder sizes (`split_rows`: little padding; `_plan`
         where programs are still compiling), all dispatched before their results are fetched."""
         s = self.settings
-        if slots is not None and self._pool is None:
-            model = params_lib.merge(self._graphdef, params)
-            self._pool = model.init_cache(self.episodes + 1, self.buckets[-1])  # +1: padding's
-            self._pool_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                             self._pool)
+        if slots is not None:
+            self._make_pool(params)
         results, done = [], 0
         for rows, call_span, call_width in self._plan(params, len(news), span, width, greedy):
             chunk = news[done:done + rows]
@@ -319,6 +316,40 @@ class Sampler:
             tokens.extend(tokens_bg[i, :lengths_b[i]] for i in range(n))
             logps.extend(logps_bg[i, :lengths_b[i]] for i in range(n))
         return tokens, logps
+
+    def _make_pool(self, params) -> None:
+        """The kept caches' device pool, on first use."""
+        if self._pool is None:
+            model = params_lib.merge(self._graphdef, params)
+            self._pool = model.init_cache(self.episodes + 1, self.buckets[-1])  # +1: padding's
+            self._pool_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                             self._pool)
+
+    def precompile(self, greedy: bool = False) -> int:
+        """Compiles every program a call can use: each length bucket (with kept caches, both the
+        continuing width and the whole context) at each row count of the batch ladder. Returns
+        how many it compiled (those compiled already are skipped)."""
+        with self._lock:
+            params = self._params
+        if params is None:
+            raise RuntimeError("Sampler.precompile called before set_params")
+        s, keys = self.settings, set()
+        for total in self.buckets:
+            if total <= s.max_new_tokens:
+                continue
+            for rows in self.batch_sizes:
+                if self.episodes:
+                    keys.add((greedy, total, rows, self.buckets[0]))
+                    keys.add((greedy, total, rows, total))
+                else:
+                    keys.add((greedy, None, rows, total - s.max_new_tokens))
+        if self.episodes:
+            self._make_pool(params)
+        before = self.compiles
+        for key in sorted(keys, key=lambda k: (k[1] or 0, k[2], k[3])):
+            if key not in self._programs:
+                self._compile(params, key)
+        return self.compiles - before
 
     def _args(self, params, tokens_bw, valid_bw, start_b, slot_b, pool=None) -> tuple:
         """A program's arguments (the kept-cache programs take the pool and the slots first)."""

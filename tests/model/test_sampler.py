@@ -183,3 +183,33 @@ def test_new_shapes_compile_in_the_background_while_compiled_programs_serve():
         assert sampler.inline_compiles == 1 and len(sampler._programs) == 2
     finally:
         sampler.close()
+
+
+@pytest.mark.parametrize("episodes", [0, 4])
+def test_a_precompiled_sampler_compiles_nothing_more(episodes):
+    """After `precompile`, calls of every length and row count (with kept caches: turns that
+    continue and contexts computed afresh) run compiled programs: the compile count stays."""
+    graphdef, params = params_lib.init(DIMS, seed=6)
+    sampler = Sampler(graphdef, SamplerSettings(temperature=0.8, max_new_tokens=2, stop_ids=(2,)),
+                      DIMS.vocab_size, buckets=(8, 16), max_batch=16, episodes=episodes)
+    sampler.set_params(params, 0)
+    assert sampler.batch_sizes == (8, 16)
+    # Per row count: without kept caches a width per bucket; with them, bucket 8's continuing
+    # width is its whole width, so three.
+    assert sampler.precompile() == (3 if episodes else 2) * 2
+    compiled = sampler.compiles
+    rng = np.random.default_rng(1)
+    if not episodes:
+        for rows in (1, 3, 9, 16):
+            contexts = [rng.integers(3, 40, rng.integers(1, 15)).astype(np.int32)
+                        for _ in range(rows)]
+            sampler.generate(contexts)
+    else:  # an actor's calls all have slots (a slot per environment)
+        contexts = {k: rng.integers(3, 40, 3 if k % 2 else 9).astype(np.int32)  # 9: afresh
+                    for k in range(episodes)}
+        for _ in range(2):  # turns continue from the kept caches
+            tokens, _, _ = sampler.generate(list(contexts.values()), slots=list(contexts))
+            contexts = {k: np.concatenate([c, t, [5]]) for (k, c), t in zip(contexts.items(),
+                                                                              tokens)}
+    assert sampler.compiles == compiled and sampler.inline_compiles == 0
+    assert sampler.precompile() == 0
