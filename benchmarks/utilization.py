@@ -11,11 +11,15 @@ Same model, batch, updates per trajectory and CPU placement for all three: the l
 core 0 with one XLA thread, actors, Redis and the supervisor on the other cores. The environment is
 guess_number with an injected per-step latency (`--env-latency`, lognormal), so an episode takes
 several seconds. Every way runs the code path a user's run takes (`headrace train` machinery).
+Actors keep each episode's keys and values between turns (`sampling.keep_cache`) and compile every
+sampling program before their first episode (`sampling.precompile`, counted in `warmup_s`): one
+actor core then produces faster than the learner core trains (docs/runtime.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -70,14 +74,14 @@ def read_run(run_dir: pathlib.Path, start: float) -> dict:
     trained = [r for r in records if r.get("step", 0) >= 1]
     last = records[-1]
     first_time = trained[0]["time"] if trained else float("nan")
-    wall = last["time"] - first_time if trained else float("nan")
     in_flight = [r["actor/in_flight"] for r in trained if "actor/in_flight" in r]
     return {
         "learner_utilization": last.get("learner/utilization", 0.0),
         "steps_per_s": last.get("learner/steps_per_s", 0.0),
-        "trajectories_per_s": (last.get("learner/trajectories", 0.0)
-                               - (trained[0].get("learner/trajectories", 0.0) if trained else 0))
-                              / wall if trained and wall > 0 else 0.0,
+        # over the steps' own window (steps that compiled left out), as steps_per_s
+        "trajectories_per_s": (last.get("learner/steps_per_s", 0.0)
+                               * last.get("learner/trajectories", 0.0) / last["step"]
+                               if last.get("step") else 0.0),
         "updates_per_trajectory": last.get("learner/updates_per_trajectory", 0.0),
         "lag_mean": last.get("staleness/lag_mean", 0.0),
         "in_flight_mean": sum(in_flight) / len(in_flight) if in_flight else 0.0,
@@ -190,14 +194,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="headrace bench utilization", description=__doc__,
                                      parents=[benchlib.bench_parser()])
     add_workload_args(parser)
+    parser.set_defaults(keep_cache=True, precompile=True)
+    parser.add_argument("--no-keep-cache", dest="keep_cache", action="store_false",
+                        help="actors recompute each turn's whole context")
+    parser.add_argument("--no-precompile", dest="precompile", action="store_false",
+                        help="actors compile sampling programs as shapes appear (in the "
+                             "background, while compiled programs serve)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds per way")
+    parser.add_argument("--out", default="",
+                        help="keep each way's run folder under this folder (default: a temporary "
+                             "one, removed)")
     parser.add_argument("--max-policy-lag", type=int, default=0,
                         help="the staleness limit of sync and async (default: the smallest that "
                              "admits the in-flight groups Little's law calls for)")
     parser.add_argument("--prefill-groups", type=int, default=8192)
-    parser.add_argument("--warmup-allowance", type=float, default=60.0,
-                        help="seconds allowed for start-up before the measured window")
+    parser.add_argument("--warmup-allowance", type=float, default=None,
+                        help="seconds allowed for start-up before the measured window (default "
+                             "150 with --precompile, whose compiles are start-up, else 60)")
     args = parser.parse_args(argv)
+    if args.quick:  # a smoke run: programs compile as shapes appear (a cold cache in CI)
+        args.precompile = False
+    if args.warmup_allowance is None:
+        args.warmup_allowance = 150.0 if args.precompile else 60.0
     if args.quick:
         args.env_latency, args.duration, args.groups_per_batch = 0.05, 5.0, 4
         args.prefill_groups, args.warmup_allowance = 64, 30.0
@@ -206,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--epochs and --groups-per-batch must be >= 1, --env-latency >= 0")
     if len(os.sched_getaffinity(0)) >= 2:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[1:])  # core 0 is the learner's
-    with tempfile.TemporaryDirectory(prefix="headrace-bench-") as tmp:
+    with (contextlib.nullcontext(args.out) if args.out
+          else tempfile.TemporaryDirectory(prefix="headrace-bench-")) as tmp:
         root = pathlib.Path(tmp)
         alone = learner_alone(args, root / "alone")
         consume_groups_per_s = alone["steps_per_s"] * args.groups_per_batch
