@@ -253,13 +253,10 @@ class Sampler:
         by_shape: dict[tuple[int | None, int], list[int]] = {}
         for i, (context, start) in enumerate(zip(contexts, starts)):
             total = bucket_for(len(context) + s.max_new_tokens, self.buckets)
-            if slots is None:  # (no kept cache, new-token width)
-                shape = (None, total - s.max_new_tokens)
-            elif len(context) - start <= self.buckets[0]:  # (slots attended to, new-token width)
-                shape = (total, self.buckets[0])
-            else:  # more new tokens than the smallest bucket: the whole context, afresh
-                starts[i], shape = 0, (total, total)
-            by_shape.setdefault(shape, []).append(i)
+            whole = slots is not None and len(context) - start > self.buckets[0]
+            if whole:
+                starts[i] = 0
+            by_shape.setdefault(self._shape(total, slots is not None, whole), []).append(i)
         out_tokens: list[np.ndarray] = [None] * len(contexts)
         out_logps: list[np.ndarray] = [None] * len(contexts)
         for (span, width), rows in by_shape.items():
@@ -272,6 +269,14 @@ class Sampler:
             for slot, context, t in zip(slots, contexts, out_tokens):
                 self._kept[slot] = np.concatenate([np.asarray(context, np.int32), t[:-1]])
         return out_tokens, out_logps, version
+
+    def _shape(self, total: int, kept: bool, whole: bool) -> tuple[int | None, int]:
+        """(span, width) of a call in length bucket `total`. Without kept caches: no span, the
+        prompt's width. With them: the slots attended to, and the new tokens' width, the
+        smallest bucket, or (`whole`: more new tokens than that) the whole context afresh."""
+        if not kept:
+            return None, total - self.settings.max_new_tokens
+        return total, total if whole else self.buckets[0]
 
     def _kept_prefix(self, slot: int, context: Sequence[int]) -> int:
         """How many of the context's leading tokens slot `slot` holds (at least one is left new)."""
@@ -333,16 +338,14 @@ class Sampler:
             params = self._params
         if params is None:
             raise RuntimeError("Sampler.precompile called before set_params")
-        s, keys = self.settings, set()
+        kept, keys = bool(self.episodes), set()
         for total in self.buckets:
-            if total <= s.max_new_tokens:
+            if total <= self.settings.max_new_tokens:
                 continue
             for rows in self.batch_sizes:
-                if self.episodes:
-                    keys.add((greedy, total, rows, self.buckets[0]))
-                    keys.add((greedy, total, rows, total))
-                else:
-                    keys.add((greedy, None, rows, total - s.max_new_tokens))
+                for whole in {False, kept}:
+                    span, width = self._shape(total, kept, whole)
+                    keys.add((greedy, span, rows, width))
         if self.episodes:
             self._make_pool(params)
         before = self.compiles
