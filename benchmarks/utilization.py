@@ -43,10 +43,11 @@ def base_config(args, run_dir: pathlib.Path) -> dict:
     """The shared workload: model, batch and updates per trajectory are the same for all ways."""
     quick = args.quick
     return {
-        # The window is measured from the first trained batch; start-up (spawning, compiling) is
-        # reported as warmup_s and given its own allowance here.
-        "run": {"dir": str(run_dir), "max_wall_s": args.duration + args.warmup_allowance,
-                # --quick (a smoke run for the tests) stops by steps, not by the wall-clock cap
+        # The window is the `duration` seconds from the first trained batch; start-up (spawning,
+        # compiling) is reported as warmup_s and given its own allowance.
+        "run": {"dir": str(run_dir), "max_train_s": 0.0 if quick else args.duration,
+                "max_wall_s": args.duration + args.warmup_allowance,
+                # --quick (a smoke run for the tests) stops by steps, not by the clock
                 "max_steps": QUICK_STEPS if quick else 0, "eval_every": 0,
                 "log_every": 1, "launcher": "processes", **PLACEMENT},
         "env": {"name": "guess_number", "kwargs": {"n": 32, "max_turns": MAX_TURNS},

@@ -33,6 +33,7 @@ class RunConfig:
     seed: int = 0  # seeds model init, tasks and sampling
     max_steps: int = 0  # stop after this many learner steps (0: no limit)
     max_wall_s: float = 0.0  # stop after this many seconds from process start (0: no limit)
+    max_train_s: float = 0.0  # stop this many seconds after the first trained step (0: no limit)
     eval_every: int = 50  # greedy evaluation every this many learner steps (0: only at the end)
     eval_target: float = 0.9  # success rate that `time_to_target_s` reports reaching
     stop_at_target: bool = False  # end the run once the periodic evaluation reaches eval_target
@@ -49,7 +50,8 @@ class RunConfig:
                "the Ray launcher is planned, not yet built; use threads or processes")
         for key in ("max_steps", "eval_every", "checkpoint_every"):
             _check(getattr(self, key) >= 0, f"run.{key}", getattr(self, key), "must be >= 0")
-        _check(self.max_wall_s >= 0, "run.max_wall_s", self.max_wall_s, "must be >= 0")
+        for key in ("max_wall_s", "max_train_s"):
+            _check(getattr(self, key) >= 0, f"run.{key}", getattr(self, key), "must be >= 0")
         _check(0 < self.eval_target <= 1, "run.eval_target", self.eval_target, "must be in (0, 1]")
         _check(self.log_every >= 1, "run.log_every", self.log_every, "must be >= 1")
         _check(0 <= self.trace_rate <= 1, "run.trace_rate", self.trace_rate, "must be in [0, 1]")

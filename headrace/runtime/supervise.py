@@ -1,8 +1,8 @@
 """What every launcher shares: periodic greedy evaluation, the report-and-watch loop, the summary.
 
 The loop writes metrics to the sinks, refreshes the live view and ends the run on the first stop
-condition: the learner finished (`run.max_steps`), `run.max_wall_s`, the evaluation target reached
-(`run.stop_at_target`), a worker's failure, or Ctrl-C.
+condition: the learner finished (`run.max_steps`), `run.max_wall_s`, `run.max_train_s`, the
+evaluation target reached (`run.stop_at_target`), a worker's failure, or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -154,6 +154,7 @@ def watch(config: Config, t0: float, *, snapshot: Callable[[], dict[str, float]]
           reporter: Reporter, evaluator: Evaluator, failed: Callable[[], bool],
           finished: Callable[[], bool], tick: Callable[[], None] = lambda: None) -> str:
     """Reports every half second until a stop condition; returns which one stopped the run."""
+    trained_since = None  # when the first trained step was seen (run.max_train_s counts from it)
     try:
         while True:
             time.sleep(0.5)
@@ -161,12 +162,17 @@ def watch(config: Config, t0: float, *, snapshot: Callable[[], dict[str, float]]
             current = snapshot()
             step = int(current.get("learner/step", 0))
             reporter.report(step, current, time.time() - t0)
+            if trained_since is None and step >= 1:
+                trained_since = time.time()
             if failed():
                 return "error"
             if finished():
                 return "max_steps"
             if config.run.max_wall_s and time.time() - t0 >= config.run.max_wall_s:
                 return "max_wall_s"
+            if (config.run.max_train_s and trained_since is not None
+                    and time.time() - trained_since >= config.run.max_train_s):
+                return "max_train_s"
             if config.run.stop_at_target and evaluator.reached.is_set():
                 return "target"
             evaluator.maybe_request(step)  # not at the stop: the final evaluation covers it
