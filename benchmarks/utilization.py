@@ -99,8 +99,13 @@ def run_training(data: dict) -> dict:
     from headrace.runtime import train
 
     start = time.time()
-    train(load(data=data), live=False, t0=start)
-    return read_run(pathlib.Path(data["run"]["dir"]), start)
+    with benchlib.StealClock(data["run"]["learner_cpus"]) as clock:
+        train(load(data=data), live=False, t0=start)
+    figures = read_run(pathlib.Path(data["run"]["dir"]), start)
+    first = start + figures["warmup_s"]
+    figures["steal_s"] = clock.stolen_s(first, first + data["run"]["max_train_s"]
+                                        if data["run"]["max_train_s"] else time.time())
+    return figures
 
 
 def learner_alone(args, run_dir: pathlib.Path) -> dict:
@@ -146,17 +151,19 @@ def learner_alone(args, run_dir: pathlib.Path) -> dict:
         supervisor.start_learner()
         first = None
         metrics: dict = {}
-        try:
-            while time.time() - (first or start) < (args.duration if first else
-                                                     args.duration + args.warmup_allowance):
-                time.sleep(0.5)
-                metrics = read_metrics(server.client(), run_id)
-                if first is None and metrics.get("learner/step", 0) >= 1:
-                    first = time.time()
-                if supervisor.learner.process.exitcode is not None:
-                    break
-        finally:
-            supervisor.stop()
+        with benchlib.StealClock(config.run.learner_cpus) as clock:
+            try:
+                while time.time() - (first or start) < (args.duration if first else
+                                                         args.duration + args.warmup_allowance):
+                    time.sleep(0.5)
+                    metrics = read_metrics(server.client(), run_id)
+                    if first is None and metrics.get("learner/step", 0) >= 1:
+                        first = time.time()
+                    if supervisor.learner.process.exitcode is not None:
+                        break
+            finally:
+                window_end = time.time()
+                supervisor.stop()
         metrics = read_metrics(server.client(), run_id)
         buffer.close()
     return {
@@ -171,6 +178,7 @@ def learner_alone(args, run_dir: pathlib.Path) -> dict:
         "steps": metrics.get("learner/step", 0),
         "step_s_p50": metrics.get("learner/step_s_p50", float("nan")),
         "prefilled_groups": groups,
+        "steal_s": clock.stolen_s(first, window_end) if first else 0.0,
     }
 
 

@@ -10,9 +10,14 @@ NaN and infinities are written as null, since strict JSON has no spelling for th
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
+import os
 import sys
+import threading
+import time
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
@@ -71,3 +76,56 @@ def emit(result: dict, *, as_json: bool, title: str) -> None:
     if text is not None:
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
+
+
+class StealClock:
+    """Time the hypervisor took from some cores (the steal column of /proc/stat), sampled twice a
+    second on a thread while in use, so a benchmark can say how much of a measured window the
+    machine took away from the process it measures. All zeros where /proc/stat is missing."""
+
+    def __init__(self, cpus: Sequence[int] = (), every_s: float = 0.5):
+        self._names = {f"cpu{c}" for c in cpus} or {"cpu"}
+        self._every_s = every_s
+        self._times: list[float] = []
+        self._steal: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="steal-clock", daemon=True)
+
+    def _read(self) -> float:
+        """Seconds stolen from the cores since boot."""
+        try:
+            with open("/proc/stat") as f:
+                lines = [line.split() for line in f if line.startswith("cpu")]
+        except OSError:
+            return 0.0
+        ticks = sum(int(fields[8]) for fields in lines if fields[0] in self._names)
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    def _sample(self) -> None:
+        self._times.append(time.time())
+        self._steal.append(self._read())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            self._sample()
+
+    def __enter__(self) -> StealClock:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def stolen_s(self, start: float, end: float) -> float:
+        """Seconds stolen between the samples nearest `start` and `end` (wall-clock times)."""
+        if not self._times or not start < end:
+            return 0.0
+
+        def at(t: float) -> float:
+            i = min(bisect.bisect_left(self._times, t), len(self._times) - 1)
+            return self._steal[i]
+
+        return at(end) - at(start)

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 WAY_KEYS = ("learner_utilization", "steps_per_s", "trajectories_per_s", "updates_per_trajectory",
-            "lag_mean", "in_flight_mean", "dropped_lag", "warmup_s")
+            "lag_mean", "in_flight_mean", "dropped_lag", "warmup_s", "steal_s")
 
 
 @pytest.mark.timeout(600)
@@ -21,6 +21,7 @@ def test_quick_bench_prints_every_key():
             assert key in data[way], (way, key)
         # rates are the steady state's (steps that compiled left out): a smoke run may have none
         assert data[way]["steps"] >= 1 and data[way]["steps_per_s"] >= 0, (way, data[way])
+        assert data[way]["steal_s"] >= 0, (way, data[way])
     assert data["little"]["in_flight_groups_needed"] >= 0
     assert data["little"]["admission_window_groups"] >= data["little"]["envs_per_actor_async"] / 8
     assert data["async"]["updates_per_trajectory"] == data["sync"]["updates_per_trajectory"]
