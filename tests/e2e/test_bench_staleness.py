@@ -94,7 +94,12 @@ def test_ctrl_c_stops_the_bench_cleanly_with_partial_results(tmp_path):
         else:
             pytest.fail("the first run never trained a step")
         os.kill(process.pid, signal.SIGINT)
-        stdout, stderr = process.communicate(timeout=60)
+        try:
+            stdout, stderr = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            pytest.fail("the bench did not stop within 60 s of SIGINT; its stderr:\n"
+                        + process.communicate()[1][-5000:])
     finally:
         if process.poll() is None:
             process.kill()

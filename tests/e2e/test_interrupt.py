@@ -26,7 +26,12 @@ def test_sigint_writes_summary(tmp_path):
                 break
             time.sleep(0.5)
         process.send_signal(signal.SIGINT)
-        stdout, stderr = process.communicate(timeout=90)
+        try:
+            stdout, stderr = process.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            pytest.fail("headrace train did not stop within 90 s of SIGINT; its stderr:\n"
+                        + process.communicate()[1][-5000:])
     finally:
         if process.poll() is None:
             process.kill()
