@@ -1,7 +1,9 @@
 """`headrace bench audit`: does the latency audit predict what a pool really does?
 
 In one run, in the utilisation benchmark's setting (`headrace bench utilization`: processes
-launcher, the learner pinned to core 0, guess_number with a lognormal per-step latency):
+launcher, the learner pinned to core 0, guess_number with a lognormal per-step latency, actors
+keeping each episode's cache and compiling their sampling programs before the first episode;
+`--no-keep-cache`, `--no-precompile` as there):
 
 1. measure: one run at `--measure-envs` environments with every group traced, then the audit
    (`headrace.audit.audit.analyze`) of its run folder: stage distributions, Little's law, the
@@ -68,11 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-policy-lag", type=int, default=0,
                         help="the staleness limit of every run (default: per run, the limit that "
                              "admits its pool, as in `headrace bench utilization`)")
-    parser.add_argument("--warmup-allowance", type=float, default=45.0,
-                        help="seconds allowed for start-up before the measured window")
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--headroom", type=float, default=1.2)
     args = parser.parse_args(argv)
+    util.settle_workload_args(args)
     if args.quick:
         args.env_latency, args.duration, args.groups_per_batch = 0.05, 4.0, 4
         args.warmup_allowance, args.measure_envs = 15.0, 32

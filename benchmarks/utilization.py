@@ -30,7 +30,7 @@ import threading
 import time
 
 from headrace import benchlib
-from headrace.audit.audit import admitting_limits
+from headrace.audit.audit import admitting_limits, warmup_allowance_s
 
 PLACEMENT = {"learner_cpus": [0], "actor_cpus": []}
 MAX_TURNS, SIGMA = 5, 0.25  # guess_number's turns per episode; the env latency's lognormal sigma
@@ -192,23 +192,31 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-layers", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=1,
                         help="learner.epochs: passes over each batch (updates per trajectory)")
-    parser.add_argument("--keep-cache", action="store_true",
-                        help="sampling.keep_cache: actors keep each episode's cache between turns")
-    parser.add_argument("--precompile", action="store_true",
+    parser.add_argument("--keep-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="sampling.keep_cache: actors keep each episode's cache between turns "
+                             "(--no-keep-cache: each turn recomputes its whole context)")
+    parser.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
                         help="sampling.precompile: actors compile every sampling program before "
-                             "their first episode")
+                             "their first episode (--no-precompile: as shapes appear, in the "
+                             "background, while compiled programs serve)")
+    parser.add_argument("--warmup-allowance", type=float, default=None,
+                        help="seconds allowed for start-up before the measured window (default "
+                             "150 with --precompile, whose compiles are start-up, else 60)")
+
+
+def settle_workload_args(args: argparse.Namespace) -> None:
+    """Defaults that depend on other flags: a smoke run (--quick) compiles programs as shapes
+    appear (a cold cache in CI); the warm-up allowance covers precompiling."""
+    if args.quick:
+        args.precompile = False
+    if args.warmup_allowance is None:
+        args.warmup_allowance = warmup_allowance_s(args.precompile)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="headrace bench utilization", description=__doc__,
                                      parents=[benchlib.bench_parser()])
     add_workload_args(parser)
-    parser.set_defaults(keep_cache=True, precompile=True)
-    parser.add_argument("--no-keep-cache", dest="keep_cache", action="store_false",
-                        help="actors recompute each turn's whole context")
-    parser.add_argument("--no-precompile", dest="precompile", action="store_false",
-                        help="actors compile sampling programs as shapes appear (in the "
-                             "background, while compiled programs serve)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds per way")
     parser.add_argument("--out", default="",
                         help="keep each way's run folder under this folder (default: a temporary "
@@ -217,14 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the staleness limit of sync and async (default: the smallest that "
                              "admits the in-flight groups Little's law calls for)")
     parser.add_argument("--prefill-groups", type=int, default=8192)
-    parser.add_argument("--warmup-allowance", type=float, default=None,
-                        help="seconds allowed for start-up before the measured window (default "
-                             "150 with --precompile, whose compiles are start-up, else 60)")
     args = parser.parse_args(argv)
-    if args.quick:  # a smoke run: programs compile as shapes appear (a cold cache in CI)
-        args.precompile = False
-    if args.warmup_allowance is None:
-        args.warmup_allowance = 150.0 if args.precompile else 60.0
+    settle_workload_args(args)
     if args.quick:
         args.env_latency, args.duration, args.groups_per_batch = 0.05, 5.0, 4
         args.prefill_groups, args.warmup_allowance = 64, 30.0

@@ -51,6 +51,12 @@ AUDIT_FILE = "audit.json"
 PLOT_FILE = "audit.png"
 
 
+def warmup_allowance_s(precompile: bool) -> float:
+    """Seconds a measured run may take to start (spawning, compiling) before its window: more
+    when actors compile every sampling program first (`sampling.precompile`)."""
+    return 150.0 if precompile else 60.0
+
+
 @dataclasses.dataclass
 class Measured:
     """What one run showed, everything the sizing needs."""
@@ -415,14 +421,16 @@ def analyze(run_dir: str | pathlib.Path, *, target: float = 0.95, headroom: floa
     return report
 
 
-def measure(config: Config, duration_s: float, warmup_s: float = 60.0,
-            live: bool = False) -> pathlib.Path:
-    """Runs the config's pipeline for `duration_s` (plus start-up) with every group traced."""
+def measure(config: Config, duration_s: float, live: bool = False) -> pathlib.Path:
+    """Runs the config's pipeline for `duration_s` from its first trained step (start-up may
+    take `warmup_allowance_s` more) with every group traced."""
     from headrace.config import replace
 
+    warmup_s = warmup_allowance_s(config.sampling.precompile)
+
     config = replace(config, run={"trace_rate": 1.0, "eval_every": 0, "max_steps": 0,
-                                  "log_every": 1, "max_wall_s": duration_s + warmup_s,
-                                  "stop_at_target": False})
+                                  "log_every": 1, "max_train_s": duration_s,
+                                  "max_wall_s": duration_s + warmup_s, "stop_at_target": False})
     from headrace.runtime import train
 
     summary = train(config, live=live)

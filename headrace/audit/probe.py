@@ -2,9 +2,11 @@
 
 A small pool's policy calls hold a row or two, all padded to the same row bucket, so their cost
 says nothing of a large pool's calls of hundreds of rows. The probe times the actor's sampler on
-calls of growing row counts, in a child process set up as an actor is (`run.actor_cpus`), with
-contexts of the measured episodes' lengths; the audit fits its call cost over the traced calls
-and these together.
+calls of growing row counts, in a child process set up as an actor is (`run.actor_cpus`, kept
+caches as `sampling.keep_cache` says): each row count plays episodes in lockstep, one call per
+turn at the measured episodes' context lengths, so with kept caches the first turn computes its
+context and the later ones only what was added. The audit fits its call cost over the traced
+calls and these together.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def context_lengths(episode_tokens: float, turns: float, limit: int) -> tuple[in
 def probe_calls(config: Config, lengths: tuple[int, ...], repeats: int = 3,
                 timeout_s: float = PROBE_TIMEOUT_S) -> np.ndarray:
     """[n, 2] (rows, seconds) of timed sampler calls up to `actor.max_batch` rows (and
-    PROBE_TOKENS context tokens); empty (and logged) when the probe fails or runs past
+    PROBE_TOKENS context tokens): `repeats` episodes of a call per turn (`lengths`: a turn's
+    context) at each row count. Empty (and logged) when the probe fails or runs past
     `timeout_s`: the audit then fits the traced calls alone."""
     from headrace.runtime import worker
 

@@ -97,13 +97,16 @@ def kept_episodes(config: Config, task: Task) -> int:
     return episodes
 
 
-def make_sampler(config: Config, task: Task, graphdef, seed: int, acting: bool = False) -> Sampler:
+def make_sampler(config: Config, task: Task, graphdef, seed: int, acting: bool = False,
+                 background_compiles: bool | None = None) -> Sampler:
     """The policy's sampler. An actor's (`acting`) keeps caches as `kept_episodes` says and
-    compiles new shapes in the background, so a compile never stalls its episodes."""
+    compiles new shapes in the background, so a compile never stalls its episodes (unless
+    `background_compiles` says otherwise: a probe times calls, not stand-ins)."""
     return Sampler(graphdef, task.sampler_settings, task.dims.vocab_size, config.shapes.buckets,
                    config.actor.max_batch, seed=seed,
                    episodes=kept_episodes(config, task) if acting else 0,
-                   background_compiles=acting)
+                   background_compiles=acting if background_compiles is None
+                   else background_compiles)
 
 
 def init_params(config: Config, task: Task):

@@ -134,30 +134,47 @@ def actor_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: str,
 def probe_main(config_data: dict[str, Any], cpus: tuple[int, ...], rows: tuple[int, ...],
                lengths: tuple[int, ...], repeats: int, conn) -> None:
     """Times the actor's sampler on calls of each row count (`headrace.audit.probe`), set up as
-    an actor is (its CPUs); sends [(rows, seconds)...] through `conn`. Fresh weights: a call's
-    cost does not depend on their values."""
+    an actor is (its CPUs; kept caches as `sampling.keep_cache` says); sends [(rows, seconds)...]
+    through `conn`. Each row count plays `repeats` episodes in lockstep, one call per turn at
+    that turn's context length, after one untimed episode that compiles their programs. Fresh
+    weights: a call's cost does not depend on their values."""
     _setup("probe", cpus, 0)
     import time
 
     import numpy as np
 
-    from headrace.config import load
+    from headrace.config import load, replace
     from headrace.runtime import build
 
     config = load(data=config_data)
+    if config.sampling.keep_cache:  # a slot per probed row: a call reads only its rows' slots
+        g = config.actor.group_size
+        config = replace(config, actor={"envs_per_actor": -(-max(rows) // g) * g})
     task = build.build_task(config)
     graphdef, params = build.init_params(config, task)
-    sampler = build.make_sampler(config, task, graphdef, seed=config.run.seed)
+    sampler = build.make_sampler(config, task, graphdef, seed=config.run.seed, acting=True,
+                                 background_compiles=False)
     sampler.set_params(params, 0)
     rng = np.random.default_rng(config.run.seed)
+    vocab, limit = task.dims.vocab_size, sampler.max_context()
+
+    def episode(n: int) -> list[float]:
+        """Seconds of each turn's call: a context extends the last one by what was generated
+        and an observation, up to the turn's length (so kept caches continue, as in a run)."""
+        slots = list(range(n)) if sampler.episodes else None
+        contexts, generated, seconds = [[] for _ in range(n)], [[] for _ in range(n)], []
+        for length in lengths:
+            contexts = [(c + list(g) + rng.integers(0, vocab, max(0, length - len(c) - len(g)))
+                         .tolist())[:limit] for c, g in zip(contexts, generated)]
+            start = time.perf_counter()
+            generated, _, _ = sampler.generate(contexts, slots=slots)
+            seconds.append(time.perf_counter() - start)
+        return seconds
+
     timed = []
     for n in rows:
-        contexts = [rng.integers(0, task.dims.vocab_size, lengths[i % len(lengths)]).tolist()
-                    for i in range(n)]
-        sampler.generate(contexts)  # compiles this shape: not timed
+        episode(n)  # compiles this row count's programs: not timed
         for _ in range(repeats):
-            start = time.perf_counter()
-            sampler.generate(contexts)
-            timed.append((n, time.perf_counter() - start))
+            timed.extend((n, s) for s in episode(n))
     sampler.close()
     conn.send(timed)

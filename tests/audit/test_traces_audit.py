@@ -87,7 +87,9 @@ def test_audit_of_a_run_folder_sizes_the_pool_and_plots(traced_run):
     assert report["bottleneck"] in ("environment", "inference", "buffer", "learner",
                                     "weight sync", "actor CPU")
     assert report["rates"]["learner_consume_groups_per_s"] > 0
-    assert report["rates"]["inference_calls_probed"] == 3 * 3  # 1, 8, 32 rows (max_batch 64), 3 each
+    # 1, 8, 32 rows (max_batch 64), 3 episodes each, a call per turn
+    assert report["rates"]["inference_calls_probed"] % (3 * 3) == 0
+    assert report["rates"]["inference_calls_probed"] >= 3 * 3
     assert (traced_run / "audit.png").stat().st_size > 1000
     assert json.loads((traced_run / "audit.json").read_text())["bottleneck"] == \
         report["bottleneck"]
