@@ -65,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     util.add_workload_args(parser)
     parser.add_argument("--duration", type=float, default=60.0,
                         help="steady-state seconds measured per run")
-    parser.add_argument("--measure-envs", type=int, default=256,
-                        help="environments of the measurement run")
+    parser.add_argument("--measure-envs", type=int, default=1024,
+                        help="environments of the measurement run (a small pool spreads an "
+                             "actor's fixed CPU per second over few turns, so the audit "
+                             "overprices a turn; docs/audit.md)")
     parser.add_argument("--max-policy-lag", type=int, default=0,
                         help="the staleness limit of every run (default: per run, the limit that "
                              "admits its pool, as in `headrace bench utilization`)")
