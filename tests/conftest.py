@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import uuid
 
 # Before JAX is imported anywhere: 8 simulated CPU devices, and one compilation cache shared by
@@ -65,6 +66,18 @@ def redis_server_factory(tmp_path):
     finally:
         for server in servers:
             server.stop()
+
+
+@pytest.fixture
+def sigint_default():
+    """Children start with Ctrl-C's default disposition. A suite started as a background job
+    (`cmd &` in a script) inherits SIGINT ignored, and so would every child it spawns: Python
+    then keeps it ignored and a SIGINT test's child never sees its signal."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

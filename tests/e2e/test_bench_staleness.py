@@ -78,7 +78,7 @@ def test_quick_bench_prints_every_key_and_forced_lag_shows(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_ctrl_c_stops_the_bench_cleanly_with_partial_results(tmp_path):
+def test_ctrl_c_stops_the_bench_cleanly_with_partial_results(tmp_path, sigint_default):
     process = subprocess.Popen(
         [sys.executable, "-m", "headrace.cli", "bench", "staleness", "--json", "--seeds", "2",
          "--lags", "0", "--corrections", "none", "--steps", "100000", "--out", str(tmp_path)],

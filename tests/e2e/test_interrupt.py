@@ -10,7 +10,7 @@ import pytest
 
 
 @pytest.mark.timeout(300)
-def test_sigint_writes_summary(tmp_path):
+def test_sigint_writes_summary(tmp_path, sigint_default):
     process = subprocess.Popen(
         [sys.executable, "-m", "headrace.cli", "train", "examples/guess_number.yaml", "--json",
          "--set", f"run.dir={tmp_path}/run", "--set", "run.max_wall_s=0",
