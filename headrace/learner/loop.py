@@ -119,6 +119,7 @@ class Learner:
         self._busy_s = 0.0
         self._compile_s = 0.0  # steps that compiled a new shape (warm-up, not utilisation)
         self._cpu_at_first = 0.0  # this process's CPU time when the first step began
+        self._compile_cpu_s = 0.0  # of it, what steps that compiled used
         self._compiled_steps = 0
         self._tokens = 0
         self.done = threading.Event()
@@ -320,7 +321,7 @@ class Learner:
                 batch = self._build(entries)
             self._record_staleness(entries)  # lag against self.version: the train version
             started, compiled = time.time(), compiles.compiles("train_step")
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             # One call per microbatch, dispatched without waiting; `batch.updates` updates.
             self.state, step_metrics = self._train_step(self.state, batch)
             # Deliberate sync, on the waiter thread: the step is timed to its completion and its
@@ -333,7 +334,7 @@ class Learner:
                     ahead = upcoming, self._build(upcoming) if self.peers is None else None
             step_metrics, finished = done.result()
             compiled = compiles.compiles("train_step") != compiled
-            self._finish_step(step_metrics, finished - start, start, batch, compiled)
+            self._finish_step(step_metrics, finished - start, start, cpu_start, batch, compiled)
             self.tracer.trained(entries, started, time.time(), self.version, self.step,
                                 compiled=compiled)
             self.trained_ids.update(e.id for e in entries)
@@ -367,18 +368,19 @@ class Learner:
         with self.metrics.timer("learner/batch_s"):
             return self.batcher.build([e.group for e in entries])
 
-    def _finish_step(self, step_metrics: dict, elapsed: float, start: float, batch,
-                     compiled: bool) -> None:
-        """Records a completed step (`elapsed`: dispatch to completion; `compiled`: a new shape
-        was compiled during it)."""
+    def _finish_step(self, step_metrics: dict, elapsed: float, start: float, cpu_start: float,
+                     batch, compiled: bool) -> None:
+        """Records a completed step (`elapsed`: dispatch to completion; `start`, `cpu_start`:
+        the clock and the process's CPU time at dispatch; `compiled`: a new shape was compiled
+        during it)."""
         if self._first_step_at is None:
-            self._first_step_at = start
-            self._cpu_at_first = time.process_time()
+            self._first_step_at, self._cpu_at_first = start, cpu_start
         self.step += 1
         # A step that compiled is warm-up, not steady state: it is left out of utilisation and
-        # of the rates (its time is `learner/compile_s`).
+        # of the rates (its time is `learner/compile_s`), and its CPU out of `learner/cpu_frac`.
         if compiled:
             self._compile_s += elapsed
+            self._compile_cpu_s += time.process_time() - cpu_start
             self._compiled_steps += 1
         else:
             self._busy_s += elapsed
@@ -390,10 +392,10 @@ class Learner:
         m.gauge("learner/compile_s", self._compile_s)
         m.gauge("learner/tokens_per_s", self._tokens / window)
         m.gauge("learner/steps_per_s", (self.step - self._compiled_steps) / window)
-        # The process's CPU over the same window (a compile's time taken as CPU): with the
-        # steps per second, what a step costs its cores all told (the audit's consume rate).
+        # The process's CPU over the same window: with the steps per second, what a step costs
+        # its cores all told (the audit's consume rate).
         m.gauge("learner/cpu_frac",
-                (time.process_time() - self._cpu_at_first - self._compile_s) / window)
+                (time.process_time() - self._cpu_at_first - self._compile_cpu_s) / window)
         m.gauge("learner/step", self.step)
         m.gauge("learner/version", self.version)
         m.gauge("learner/compiles", compiles.compiles("train_step"))

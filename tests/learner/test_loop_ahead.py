@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+import types
 
 import pytest
 
@@ -65,3 +67,17 @@ def test_a_batch_built_ahead_is_gated_at_the_version_it_will_train_at(model):  #
     assert learner.step == 3
     assert metrics.snapshot()["staleness/dropped_lag"] == 14
     assert metrics.snapshot()["staleness/lag_max"] == 2
+
+
+def test_cpu_frac_leaves_out_the_cpu_of_steps_that_compiled(model, monkeypatch):  # noqa: F811
+    """`learner/cpu_frac` is the process's CPU over the steady-state window: a step that compiled
+    is left out of both, once (the first step usually compiles)."""
+    learner = make_learner(model, MemoryBuffer(capacity=10, max_pending=64), 4, 2)
+    batch = types.SimpleNamespace(real_tokens=100)
+    cpu = iter([12.0, 12.0, 12.3])  # the process's CPU at each read after the two dispatches
+    monkeypatch.setattr(time, "process_time", lambda: next(cpu))
+    start = time.perf_counter() - 3.0
+    learner._finish_step({}, 2.0, start, 10.0, batch, compiled=True)  # 2 s of compiling
+    learner._finish_step({}, 0.5, start + 2.0, 12.0, batch, compiled=False)
+    window = learner.metrics.gauges["learner/steps_per_s"] ** -1  # one steady step
+    assert learner.metrics.gauges["learner/cpu_frac"] == pytest.approx(0.3 / window, rel=1e-3)

@@ -68,9 +68,9 @@ def main(process_id: int, processes: int, port: int, out_dir: str, steps: int = 
     recorded = []
     finish = learner._finish_step
 
-    def record(step_metrics, elapsed, start, batch, compiled):
+    def record(step_metrics, *rest):
         recorded.append({k: float(v) for k, v in step_metrics.items()})
-        finish(step_metrics, elapsed, start, batch, compiled)
+        finish(step_metrics, *rest)
 
     learner._finish_step = record
     learner.publish_start()
