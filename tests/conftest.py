@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import subprocess
 import uuid
 
 # Before JAX is imported anywhere: 8 simulated CPU devices, and one compilation cache shared by
@@ -69,13 +70,26 @@ def redis_server_factory(tmp_path):
 
 
 @pytest.fixture
-def sigint_default():
-    """Children start with Ctrl-C's default disposition. A suite started as a background job
+def interrupt():
+    """`interrupt(process, timeout_s, what)`: Ctrl-C a child, wait for it, return its (stdout,
+    stderr); the test fails with the child's stderr if it does not stop in time.
+
+    Children start with Ctrl-C's default disposition. A suite started as a background job
     (`cmd &` in a script) inherits SIGINT ignored, and so would every child it spawns: Python
     then keeps it ignored and a SIGINT test's child never sees its signal."""
+
+    def send(process: subprocess.Popen, timeout_s: float, what: str) -> tuple[str, str]:
+        process.send_signal(signal.SIGINT)
+        try:
+            return process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            pytest.fail(f"{what} did not stop within {timeout_s:.0f} s of SIGINT; its stderr:\n"
+                        + process.communicate()[1][-5000:])
+
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        yield
+        yield send
     finally:
         signal.signal(signal.SIGINT, previous)
 

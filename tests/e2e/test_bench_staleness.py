@@ -6,9 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import pathlib
-import signal
 import subprocess
 import sys
 import time
@@ -78,7 +76,7 @@ def test_quick_bench_prints_every_key_and_forced_lag_shows(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_ctrl_c_stops_the_bench_cleanly_with_partial_results(tmp_path, sigint_default):
+def test_ctrl_c_stops_the_bench_cleanly_with_partial_results(tmp_path, interrupt):
     process = subprocess.Popen(
         [sys.executable, "-m", "headrace.cli", "bench", "staleness", "--json", "--seeds", "2",
          "--lags", "0", "--corrections", "none", "--steps", "100000", "--out", str(tmp_path)],
@@ -93,13 +91,7 @@ def test_ctrl_c_stops_the_bench_cleanly_with_partial_results(tmp_path, sigint_de
             time.sleep(0.2)
         else:
             pytest.fail("the first run never trained a step")
-        os.kill(process.pid, signal.SIGINT)
-        try:
-            stdout, stderr = process.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            pytest.fail("the bench did not stop within 60 s of SIGINT; its stderr:\n"
-                        + process.communicate()[1][-5000:])
+        stdout, stderr = interrupt(process, 60, "the bench")
     finally:
         if process.poll() is None:
             process.kill()

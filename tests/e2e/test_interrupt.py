@@ -1,7 +1,6 @@
 """Ctrl-C stops every thread cleanly and still writes the final summary."""
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -10,7 +9,7 @@ import pytest
 
 
 @pytest.mark.timeout(300)
-def test_sigint_writes_summary(tmp_path, sigint_default):
+def test_sigint_writes_summary(tmp_path, interrupt):
     process = subprocess.Popen(
         [sys.executable, "-m", "headrace.cli", "train", "examples/guess_number.yaml", "--json",
          "--set", f"run.dir={tmp_path}/run", "--set", "run.max_wall_s=0",
@@ -25,13 +24,7 @@ def test_sigint_writes_summary(tmp_path, sigint_default):
                                         for line in metrics.read_text().splitlines()):
                 break
             time.sleep(0.5)
-        process.send_signal(signal.SIGINT)
-        try:
-            stdout, stderr = process.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            pytest.fail("headrace train did not stop within 90 s of SIGINT; its stderr:\n"
-                        + process.communicate()[1][-5000:])
+        stdout, stderr = interrupt(process, 90, "headrace train")
     finally:
         if process.poll() is None:
             process.kill()
