@@ -21,6 +21,7 @@ recommended (1x) pool reaches utilisation >= 0.95.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-policy-lag", type=int, default=0,
                         help="the staleness limit of every run (default: per run, the limit that "
                              "admits its pool, as in `headrace bench utilization`)")
+    parser.add_argument("--out", default="",
+                        help="keep each run's folder (measure, x0.25, x1.0, x2.0) under this "
+                             "folder (default: a temporary one, removed)")
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--headroom", type=float, default=1.2)
     args = parser.parse_args(argv)
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if len(os.sched_getaffinity(0)) >= 2:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[1:])  # core 0 is the learner's
-    with tempfile.TemporaryDirectory(prefix="headrace-bench-audit-") as tmp:
+    with (contextlib.nullcontext(args.out) if args.out
+          else tempfile.TemporaryDirectory(prefix="headrace-bench-audit-")) as tmp:
         root = pathlib.Path(tmp)
 
         def limits(envs: int) -> tuple[int, int]:

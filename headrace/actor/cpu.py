@@ -23,23 +23,25 @@ def _thread_cpu_s(native_id: int) -> float | None:
 
 
 class TurnCpu:
-    """Cumulative CPU seconds of the calling thread (the event loop) and of the threads whose
-    names start with `prefix` (its executor: environment steps, buffer puts)."""
+    """Cumulative CPU seconds of the event loop's thread (the calling thread, else `loop_thread`:
+    a native thread id) and of the threads whose names start with `prefix` (its executor:
+    environment steps, buffer puts)."""
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, loop_thread: int | None = None):
         self.prefix = prefix
-        self._main = threading.get_native_id()
+        self._own = loop_thread is None  # without /proc only the calling thread's is known
+        self._main = threading.get_native_id() if self._own else loop_thread
         self._seen: dict[int, float] = {}  # native id -> CPU seconds at the last read
         self.total_s = 0.0
 
     def read(self) -> float:
-        """CPU seconds the turn-side threads used so far (call it from the event loop)."""
+        """CPU seconds the turn-side threads used so far (from one thread at a time)."""
         ids = [self._main] + [t.native_id for t in threading.enumerate()
                               if t.name.startswith(self.prefix) and t.native_id is not None]
         for native_id in ids:
             now = _thread_cpu_s(native_id)
             if now is None:
-                if native_id == self._main:  # no /proc: this thread's own clock
+                if native_id == self._main and self._own:  # no /proc: this thread's clock
                     now = time.thread_time()
                 else:
                     continue

@@ -132,25 +132,34 @@ class BatchedPolicy:
             self._wake.clear()
             if not self._requests:
                 continue
-            deadline = loop.time() + self.wait_s
-            while not self._ready() and (remaining := deadline - loop.time()) > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), remaining)
-                self._wake.clear()
+            if not self._ready():  # more may come: wait until ready or a timer ends the wait
+                expired: list[bool] = []  # (a timer, not wait_for: no task per wait)
+                timer = loop.call_later(self.wait_s, self._expire, expired)
+                while not (expired or self._ready()):
+                    await self._wake.wait()
+                    self._wake.clear()
+                timer.cancel()
             batch, self._requests = self._requests[:self.max_batch], self._requests[self.max_batch:]
             if self._requests:
                 self._wake.set()
             await self._run(loop, batch)
 
+    def _expire(self, expired: list[bool]) -> None:
+        expired.append(True)
+        self._wake.set()
+
+    def _call(self, batch) -> tuple:
+        """The sampler call (on the sampler's thread): newer weights first, if any."""
+        if self.sync is not None:
+            self.sync.refresh()
+        slots = [slot for _, slot, _, _ in batch]
+        return self.sampler.generate([c for c, _, _, _ in batch], self.greedy,
+                                     None if None in slots else slots)
+
     async def _run(self, loop, batch) -> None:
         start, started_at = time.perf_counter(), time.time()
-        try:
-            if self.sync is not None:
-                await loop.run_in_executor(self._executor, self.sync.refresh)
-            slots = [slot for _, slot, _, _ in batch]
-            tokens, logps, version = await loop.run_in_executor(
-                self._executor, self.sampler.generate, [c for c, _, _, _ in batch], self.greedy,
-                None if None in slots else slots)
+        try:  # one hop to the sampler's thread and back per call: the loop's cost is per hop
+            tokens, logps, version = await loop.run_in_executor(self._executor, self._call, batch)
         except Exception as error:  # reaches every waiting episode, which ends with status error
             for _, _, future, _ in batch:
                 if not future.done():

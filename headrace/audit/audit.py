@@ -72,13 +72,15 @@ class Measured:
     window_s: float
     groups_put: float  # groups written over the window (all actors)
     put_s: float
-    publish_s: float
+    publish_s: float  # the learner's time off steps per publish (`read_run`)
     cpu_frac: float  # CPU an actor process used (cores), when actors are processes; 0: unknown
     turn_cpu_frac: float  # of it, the threads that run turns (event loop, its executor)
     turns_per_s: float  # turns one actor ran per second over the window
     episode_tokens: float  # tokens of an episode (mean)
     learner_cpu_s: float = 0.0  # the learner process's CPU per step (0: not measured)
+    rows_per_call: float = 0.0  # rows (turns) a policy call served, mean (0: not measured)
     probed: int = 0  # of `calls`, those the sampler probe timed (`with_probe`)
+    call_cpu_s: float = 0.0  # turn-side CPU per policy call (event loop), from the probe
 
     @property
     def group_size(self) -> int:
@@ -154,6 +156,7 @@ def read_run(run_dir: str | pathlib.Path) -> Measured:
     put = (last.get("actor/episodes", 0) - (trained[0].get("actor/episodes", 0) if trained else 0))
     lags = [r["staleness/lag_mean"] for r in trained if "staleness/lag_mean" in r]
     turns = [len(e["env"]) or 1 for t in traces for e in t["episodes"]]
+    rows = [r["actor/batch_rows_mean"] for r in trained if "actor/batch_rows_mean" in r]
 
     def actor_cpu(key: str) -> float:  # an actor process's median, when actors are processes
         values = [r[key] for r in trained if key in r]
@@ -169,24 +172,33 @@ def read_run(run_dir: str | pathlib.Path) -> Measured:
         lag_mean=float(np.mean(lags)) if lags else 0.0,
         window_s=window, groups_put=put / config.actor.group_size,
         put_s=float(last.get("actor/put_s_p50", 0.0)),
-        publish_s=float(last.get("weights/publish_s_p50", 0.0)),
+        # The learner's host time between steps (publishing's copy to the host, bookkeeping;
+        # the store write runs on its own thread), charged at each publish for the steps since
+        # the last; runs from before it was measured: the store write, as before.
+        publish_s=(last["learner/between_steps_s_p50"] * config.learner.publish_every
+                   if "learner/between_steps_s_p50" in last
+                   else float(last.get("weights/publish_s_p50", 0.0))),
         cpu_frac=actor_cpu("actor/cpu_frac"), turn_cpu_frac=actor_cpu("actor/turn_cpu_frac"),
         turns_per_s=(put * float(np.mean(turns)) / window / config.actor.num_actors
                      if window > 0 else 0.0),
         episode_tokens=float(last.get("episode/length_mean", 0.0)),
+        rows_per_call=float(np.median(rows)) if rows else 0.0,
         learner_cpu_s=(last["learner/cpu_frac"] / last["learner/steps_per_s"]  # its own process
                        if config.run.launcher == "processes" and last.get("learner/cpu_frac")
                        and last.get("learner/steps_per_s") else 0.0))
 
 
 def with_probe(m: Measured) -> Measured:
-    """`m` with timed sampler calls up to `actor.max_batch` rows added to its traced calls."""
-    from headrace.audit.probe import context_lengths, probe_calls
+    """`m` with timed sampler calls up to `actor.max_batch` rows added to its traced calls, and
+    the turn-side CPU a policy call costs (`probe.split_turn_cpu` of the probe's actor)."""
+    from headrace.audit import probe
 
-    lengths = context_lengths(m.episode_tokens, float(np.mean(m.turns)),
-                              m.config.shapes.buckets[-1] - m.config.sampling.max_new_tokens)
-    probed = probe_calls(m.config, lengths)
-    return dataclasses.replace(m, calls=np.vstack([m.calls, probed]), probed=len(probed))
+    lengths = probe.context_lengths(m.episode_tokens, float(np.mean(m.turns)),
+                                    m.config.shapes.buckets[-1] - m.config.sampling.max_new_tokens)
+    probed = probe.probe(m.config, lengths)
+    _, per_call_s = probe.split_turn_cpu(probed.turns)
+    return dataclasses.replace(m, calls=np.vstack([m.calls, probed.calls]),
+                               probed=len(probed.calls), call_cpu_s=per_call_s)
 
 
 def fit_inference(calls: np.ndarray) -> tuple[float, float]:
@@ -249,19 +261,23 @@ def sim_spec(m: Measured, actors: int, envs_per_actor: int, duration_s: float,
 
 def turn_cost_s(m: Measured) -> float:
     """CPU seconds a turn costs its actor outside the policy call (event loop, environment step,
-    buffer put), from the turn threads' measured CPU; 0 when not measured."""
+    buffer put): the turn threads' measured CPU less the part the probe puts on policy calls
+    (`call_cpu_s` per call, at the measured rows per call), per turn; 0 when not measured."""
     if m.turn_cpu_frac <= 0 or m.turns_per_s <= 0:
         return 0.0
-    return m.turn_cpu_frac / m.turns_per_s
+    calls_per_s = m.turns_per_s / m.rows_per_call if m.rows_per_call > 0 else 0.0
+    return max(0.0, m.turn_cpu_frac - m.call_cpu_s * calls_per_s) / m.turns_per_s
 
 
 def actor_costs(m: Measured, actors: int) -> tuple[float, float]:
     """(fixed_s, per_row_s) of a policy call as the actor's core sees it: the fitted call cost,
-    each row also paying its turn's work outside the call (one core serves both), and both
-    stretched when more actor processes than actor cores share them."""
+    plus the event loop's part per call (`call_cpu_s`) and each row's turn outside the call
+    (`turn_cost_s`), as one core serves all of it; all stretched when more actor processes than
+    actor cores share them."""
     fixed_s, per_row_s = fit_inference(m.calls)
     share = max(1.0, actors / actor_cores(m.config)) if m.cpu_frac > 0 else 1.0
-    return fixed_s * share, (per_row_s + turn_cost_s(m)) * share
+    call_s = m.call_cpu_s if m.rows_per_call > 0 and m.turn_cpu_frac > 0 else 0.0
+    return (fixed_s + call_s) * share, (per_row_s + turn_cost_s(m)) * share
 
 
 def envs_cap(m: Measured) -> int:
@@ -406,7 +422,8 @@ def analyze(run_dir: str | pathlib.Path, *, target: float = 0.95, headroom: floa
                   "inference_fixed_s": fixed_s, "inference_per_row_s": per_row_s,
                   "inference_calls_probed": m.probed,
                   "actor_cpu_frac": m.cpu_frac, "actor_turn_cpu_frac": m.turn_cpu_frac,
-                  "actor_turns_per_s": m.turns_per_s, "turn_cost_s": turn_cost_s(m)},
+                  "actor_turns_per_s": m.turns_per_s, "actor_rows_per_call": m.rows_per_call,
+                  "turn_cost_s": turn_cost_s(m), "call_cpu_s": m.call_cpu_s},
         "bottleneck": name, "why": why,
         "recommendation": rec, "target_utilization": target,
     }
@@ -451,6 +468,9 @@ def format_report(report: dict) -> str:
         f"learner consumes {r['learner_consume_groups_per_s']:.2f} groups/s "
         f"(step {r['learner_step_s_mean']:.3f} s); one actor produced "
         f"{r['actor_produce_groups_per_s'] or 0:.2f} groups/s",
+        f"actor core: a policy call {r['inference_fixed_s'] * 1e3:.2f} ms + "
+        f"{r['inference_per_row_s'] * 1e3:.3f} ms per row; outside calls "
+        f"{r['turn_cost_s'] * 1e3:.3f} ms per turn + {r['call_cpu_s'] * 1e3:.3f} ms per call",
         f"Little's law: {law['consume_groups_per_s']:.2f} groups/s x {law['group_latency_s']:.2f} s"
         f" = {law['groups_in_flight']:.1f} groups in flight; x{law['headroom']} headroom = "
         f"{law['envs_needed']} environments",

@@ -300,6 +300,7 @@ class Learner:
         ahead is built at the next step's start, after the vote."""
         run, lc = self.config.run, self.config.learner
         ahead = None  # (entries, batch or None) of the next step, gathered while one trained
+        finished = None  # when the last step completed (perf_counter)
         while self.peers is not None or not self.stop.is_set():
             if run.max_steps and self.step >= run.max_steps:
                 return
@@ -317,11 +318,17 @@ class Learner:
                 self._checkpoint()  # early: handled entries fill what the buffer may hand out
                 continue
             self.metrics.observe("learner/wait_data_s", waited)
+            built_s = 0.0
             if batch is None:
+                built_s = time.perf_counter()
                 batch = self._build(entries)
+                built_s = time.perf_counter() - built_s
             self._record_staleness(entries)  # lag against self.version: the train version
             started, compiled = time.time(), compiles.compiles("train_step")
             start, cpu_start = time.perf_counter(), time.process_time()
+            if finished is not None:  # host time between steps a fed learner also spends
+                self.metrics.observe("learner/between_steps_s",
+                                     max(0.0, start - finished - waited - built_s))
             # One call per microbatch, dispatched without waiting; `batch.updates` updates.
             self.state, step_metrics = self._train_step(self.state, batch)
             # Deliberate sync, on the waiter thread: the step is timed to its completion and its

@@ -132,24 +132,28 @@ def actor_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: str,
 
 
 def probe_main(config_data: dict[str, Any], cpus: tuple[int, ...], rows: tuple[int, ...],
-               lengths: tuple[int, ...], repeats: int, conn) -> None:
+               lengths: tuple[int, ...], repeats: int, window_s: float, conn) -> None:
     """Times the actor's sampler on calls of each row count (`headrace.audit.probe`), set up as
-    an actor is (its CPUs; kept caches as `sampling.keep_cache` says); sends [(rows, seconds)...]
-    through `conn`. Each row count plays `repeats` episodes in lockstep, one call per turn at
-    that turn's context length, after one untimed episode that compiles their programs. Fresh
-    weights: a call's cost does not depend on their values."""
+    an actor is (its CPUs; kept caches as `sampling.keep_cache` says), then measures an actor's
+    turn-side CPU at two loads over `window_s` each (`probe.measure_turns`); sends {"calls":
+    [(rows, seconds)...], "turns": [(turns/s, calls/s, cores)...]} through `conn`. Each row
+    count plays `repeats` episodes in lockstep, one call per turn at that turn's context length,
+    after one untimed episode that compiles their programs. Fresh weights: a call's cost does not
+    depend on their values."""
     _setup("probe", cpus, 0)
     import time
 
     import numpy as np
 
+    from headrace.audit import probe
     from headrace.config import load, replace
     from headrace.runtime import build
 
     config = load(data=config_data)
     if config.sampling.keep_cache:  # a slot per probed row: a call reads only its rows' slots
-        g = config.actor.group_size
-        config = replace(config, actor={"envs_per_actor": -(-max(rows) // g) * g})
+        g = config.actor.group_size  # (as many as the actor's: its programs, maybe cached)
+        config = replace(config, actor={"envs_per_actor": max(config.actor.envs_per_actor,
+                                                              -(-max(rows) // g) * g)})
     task = build.build_task(config)
     graphdef, params = build.init_params(config, task)
     sampler = build.make_sampler(config, task, graphdef, seed=config.run.seed, acting=True,
@@ -176,5 +180,10 @@ def probe_main(config_data: dict[str, Any], cpus: tuple[int, ...], rows: tuple[i
         episode(n)  # compiles this row count's programs: not timed
         for _ in range(repeats):
             timed.extend((n, s) for s in episode(n))
+    try:
+        turns = probe.measure_turns(config, sampler, params, window_s)
+    except Exception:  # the timed calls still count; the audit then charges turns as measured
+        logging.getLogger(__name__).exception("probe: the actor's turn CPU was not measured")
+        turns = []
     sampler.close()
-    conn.send(timed)
+    conn.send({"calls": timed, "turns": turns})

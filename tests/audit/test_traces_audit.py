@@ -130,6 +130,26 @@ def test_actor_costs_charge_each_turns_work_to_its_row(traced_run):
     assert audit.actor_costs(unmeasured, 2 * cores) == pytest.approx((0.004, 2e-4))
     spec = audit.sim_spec(m, 1, 64, 10.0)
     assert spec.actors.inference.per_row_s == pytest.approx(per_row)
+    # The probe puts 0.1 ms of the turn side on each call: at 4 rows per call, 250 calls/s take
+    # 0.025 of the 0.3 cores from the turns and move to the calls' fixed cost.
+    split = dataclasses.replace(m, call_cpu_s=1e-4, rows_per_call=4.0)
+    assert audit.turn_cost_s(split) == pytest.approx(2.75e-4)
+    assert audit.actor_costs(split, 1) == pytest.approx((0.0041, 2e-4 + 2.75e-4))
+
+
+def test_turn_cpu_splits_into_a_part_per_turn_and_a_part_per_call():
+    """CPU = per_turn x turns/s + per_call x calls/s over the probe's loads; a load that cannot
+    tell them apart leaves it all to the regressor that explains more, never a negative cost."""
+    per_turn, per_call = 8e-5, 3e-4
+    points = np.array([[250.0, 170.0, 0.0], [4800.0, 20.0, 0.0]])
+    points[:, 2] = per_turn * points[:, 0] + per_call * points[:, 1]
+    assert probe.split_turn_cpu(points) == pytest.approx((per_turn, per_call))
+    same = np.array([[100.0, 50.0, 0.02], [200.0, 100.0, 0.04]])  # rows per call alike
+    assert probe.split_turn_cpu(same) == pytest.approx((2e-4, 0.0))
+    negative = np.array([[100.0, 100.0, 0.05], [1000.0, 100.0, 0.05]])  # per turn would be < 0
+    per_turn, per_call = probe.split_turn_cpu(negative)
+    assert per_turn >= 0 and per_call >= 0
+    assert probe.split_turn_cpu(np.zeros((0, 3))) == (0.0, 0.0)
 
 
 def test_probe_contexts_span_an_episodes_turns():

@@ -53,6 +53,8 @@ def test_batches_are_built_ahead_and_lag_is_that_of_the_train_version(model):  #
     assert lags == [{k} for k in range(6)]  # step k+1 trains at version k: lag k
     waits = learner.metrics.distribution("learner/wait_data_s")
     assert waits.quantiles((0.5,))[0] == 0.0  # most batches were ready when their step began
+    between = learner.metrics.distribution("learner/between_steps_s")  # the audit's publish_s
+    assert between.count == 5 and 0.0 <= between.max() < 1.0  # one per step after the first
 
 
 @pytest.mark.timeout(120)
