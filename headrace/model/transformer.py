@@ -5,7 +5,9 @@ One forward function serves training and sampling. Attention takes an explicit b
 segment for packed training rows, or "written cache slots up to the query" while decoding. With a
 `cache` (per layer a key and a value array of S slots) the new keys and values are written at
 `cache_index`, an int array [b, t] of each token's slot (a slot out of range drops that token's
-write), and attention runs over all S slots; without one it runs over the input itself.
+write), and attention runs over all S slots; without one it runs over the input itself, and the
+mask must then be causal (no query sees a later position; `segment_mask` is): long inputs are
+attended in tiles of `QUERY_CHUNK` queries, each over the keys up to its last query only (`attend`).
 With `last_only` (sampling: only the next token's distribution is needed) the last layer computes
 keys and values for every position but queries, feed-forward and logits for the last one alone;
 the logits are then `[b, 1, v]` (at a large vocabulary that projection dominates a prefill).
@@ -25,6 +27,11 @@ from flax import nnx
 from headrace.config import ModelConfig
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: k_bsge, v_bsge
+# Queries per attention tile over a long causal input. Measured on CPU (fwd + bwd, 4,096 positions,
+# 2 heads of 16): one [t, t] score matrix 0.93 s, tiles of 1,024 / 256 / 128 queries 0.53 / 0.25 /
+# 0.22 s, compile 0.3 / 2.5 / 5 s: the tiles skip the keys after them (about half the work) and
+# keep each tile's scores in cache. 256 balances step time against compile time per shape.
+QUERY_CHUNK = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +84,32 @@ def _dense(d_in: int, d_out: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:
                       kernel_init=nnx.initializers.normal(stddev=d_in**-0.5))
 
 
+def _softmax_attention(q_btgre, k_bsge, v_bsge, mask_bqk):
+    scores_bgrts = jnp.einsum("btgre,bsge->bgrts", q_btgre, k_bsge).astype(jnp.float32)
+    scores_bgrts = scores_bgrts * (q_btgre.shape[-1] ** -0.5)
+    scores_bgrts = jnp.where(mask_bqk[:, None, None], scores_bgrts, -1e30)
+    probs_bgrts = jax.nn.softmax(scores_bgrts, axis=-1).astype(q_btgre.dtype)
+    return jnp.einsum("bgrts,bsge->btgre", probs_bgrts, v_bsge)
+
+
+def attend(q_btgre, k_bsge, v_bsge, mask_bqk, *, causal: bool):
+    """Grouped-query softmax attention of queries [b, t, g, r, e] over keys and values [b, s, g, e]
+    where `mask_bqk` allows. With `causal` (queries and keys are the same positions and no query sees
+    a later one) a long input goes in tiles of `QUERY_CHUNK` queries, each over the keys up to its
+    last query: the keys it skips are masked for it anyway, so the result is the same (padding
+    queries that see no key at all are the one exception; nothing reads them). The tiles are
+    unrolled, static shapes."""
+    t = q_btgre.shape[1]
+    if not causal or t <= QUERY_CHUNK:
+        return _softmax_attention(q_btgre, k_bsge, v_bsge, mask_bqk)
+    tiles = []
+    for lo in range(0, t, QUERY_CHUNK):
+        hi = min(lo + QUERY_CHUNK, t)
+        tiles.append(_softmax_attention(q_btgre[:, lo:hi], k_bsge[:, :hi], v_bsge[:, :hi],
+                                        mask_bqk[:, lo:hi, :hi]))
+    return jnp.concatenate(tiles, axis=1)
+
+
 class Attention(nnx.Module):
     def __init__(self, dims: ModelDims, dtype, rngs: nnx.Rngs):
         self.dims = dims
@@ -104,12 +137,8 @@ class Attention(nnx.Module):
             cache_kv = (k_bsge, v_bsge)
         else:
             k_bsge, v_bsge = k_btge, v_btge
-        q_btgre = q_bthe.reshape(b, t_q, g, r, e)
-        scores_bgrts = jnp.einsum("btgre,bsge->bgrts", q_btgre, k_bsge).astype(jnp.float32)
-        scores_bgrts = scores_bgrts * (e**-0.5)
-        scores_bgrts = jnp.where(mask_bqk[:, None, None], scores_bgrts, -1e30)
-        probs_bgrts = jax.nn.softmax(scores_bgrts, axis=-1).astype(x_btd.dtype)
-        out_btgre = jnp.einsum("bgrts,bsge->btgre", probs_bgrts, v_bsge)
+        out_btgre = attend(q_bthe.reshape(b, t_q, g, r, e), k_bsge, v_bsge, mask_bqk,
+                           causal=cache_kv is None)
         return self.o(out_btgre.reshape(b, t_q, d.n_heads * e)), cache_kv
 
 

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec
 
 from headrace.learner import losses
 from headrace.model.distribution import policy_logits
-from headrace.model.transformer import ModelDims, rope, segment_mask
+from headrace.model.transformer import ModelDims, attend, rope, segment_mask
 from headrace.parallel.mesh import TENSOR
 
 NORM_EPS = 1e-6  # transformer.RMSNorm's default
@@ -153,12 +153,8 @@ class ShardedForward:
             k_btge = jax.lax.dynamic_slice_in_dim(jnp.repeat(k_btge, r, axis=2), first, h, 2)
             v_btge = jax.lax.dynamic_slice_in_dim(jnp.repeat(v_btge, r, axis=2), first, h, 2)
             g = h
-        q_btgre = q_bthe.reshape(b, t, g, h // g, e)
-        scores_bgrts = jnp.einsum("btgre,bsge->bgrts", q_btgre, k_btge).astype(jnp.float32)
-        scores_bgrts = scores_bgrts * (e**-0.5)
-        scores_bgrts = jnp.where(mask_bqk[:, None, None], scores_bgrts, -1e30)
-        probs_bgrts = jax.nn.softmax(scores_bgrts, axis=-1).astype(x_btd.dtype)
-        out_btgre = jnp.einsum("bgrts,bsge->btgre", probs_bgrts, v_btge)
+        out_btgre = attend(q_bthe.reshape(b, t, g, h // g, e), k_btge, v_btge, mask_bqk,
+                           causal=True)
         out_btd = _dense(out_btgre.reshape(b, t, h * e), p("attn.o.kernel"), self.dtype)
         return self._row_parallel(out_btd, lay.heads)
 

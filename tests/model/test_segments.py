@@ -94,3 +94,39 @@ def test_last_only_logits_are_the_last_row_of_the_full_forward():
                           last_only=True)
     for a, b in zip(jax.tree.leaves(cache_full), jax.tree.leaves(cache_last)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_tiled_attention_matches_one_score_matrix(monkeypatch):
+    """A row longer than `QUERY_CHUNK` is attended in query tiles (the last one ragged); its
+    log-probs and gradients are those of one [t, t] score matrix."""
+    from headrace.model import transformer
+
+    rng = np.random.default_rng(2)
+    width = 2 * transformer.QUERY_CHUNK + 88
+    segment_ids = np.zeros((2, width), np.int32)
+    segment_ids[0, :300], segment_ids[0, 300:550] = 1, 2  # two segments, padding after
+    segment_ids[1, :width] = 1
+    positions = np.zeros_like(segment_ids)
+    for row in range(2):
+        for s in (1, 2):
+            cols = np.flatnonzero(segment_ids[row] == s)
+            positions[row, cols] = np.arange(len(cols))
+    mb = {"tokens": rng.integers(0, VOCAB, (2, width)).astype(np.int32),
+          "positions": positions, "segment_ids": segment_ids}
+    dims = ModelDims(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+    graphdef, params = params_lib.init(dims, 5)
+    real = segment_ids[:, 1:] != 0  # scored tokens inside a segment
+
+    def run():
+        def loss(p):
+            logp, _ = _logprobs(graphdef, p, mb, temperature=1.0, allowed_v=None)
+            return -(logp * real).sum(), logp
+        (_, logp), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+        return np.asarray(logp), grads
+
+    tiled_logp, tiled_grads = run()
+    monkeypatch.setattr(transformer, "QUERY_CHUNK", 10 * width)
+    whole_logp, whole_grads = run()
+    np.testing.assert_allclose(tiled_logp[real], whole_logp[real], atol=1e-5)
+    for a, b in zip(jax.tree.leaves(tiled_grads), jax.tree.leaves(whole_grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
