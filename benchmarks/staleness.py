@@ -3,7 +3,7 @@
     headrace bench staleness [--quick] [--json] [--seeds 3] [--lags 0,4,16]
                              [--corrections none,truncated_is,ppo_clip,decoupled] [--steps N]
                              [--eval-every N] [--margin 0] [--target-lag 4] [--lr 1e-3]
-                             [--out DIR]
+                             [--rho-max 2] [--out DIR]
 
 Trains guess_number (N=16, T=4) once per (lag k, correction, seed), one run after another, through
 the code path `headrace train` takes (`runtime.threads.train` on a config built by
@@ -64,11 +64,12 @@ GROUP_SIZE = 8
 DEFAULT_STEPS = 160
 DEFAULT_EVAL_EVERY = 10
 DEFAULT_LR = 1e-3
+DEFAULT_RHO_MAX = 2.0
 
 
 def run_config(*, lag: int, correction: str, seed: int, steps: int, eval_every: int, margin: int,
                run_dir: pathlib.Path, max_wall_s: float, level: str = "token",
-               lr: float = DEFAULT_LR) -> dict[str, Any]:
+               lr: float = DEFAULT_LR, rho_max: float = DEFAULT_RHO_MAX) -> dict[str, Any]:
     """The run's config as a plain mapping (for `headrace.config.load(data=...)`)."""
     in_flight_groups = GROUPS_PER_BATCH * (margin + 1)  # the most admission lets run at once
     return {
@@ -85,7 +86,8 @@ def run_config(*, lag: int, correction: str, seed: int, steps: int, eval_every: 
         "weights": {"backend": "memory"},
         "learner": {"groups_per_batch": GROUPS_PER_BATCH, "publish_every": 1, "minibatches": 2,
                     "optimizer": {"lr": lr, "clip_norm": 1.0},
-                    "loss": {"kind": correction, "rho_max": 2.0, "clip_eps": 0.2, "dual_clip": 3.0,
+                    "loss": {"kind": correction, "rho_max": rho_max, "clip_eps": 0.2,
+                             "dual_clip": 3.0,
                              "level": level},
                     "advantage": "grpo", "entropy_coef": 0.03},
         "shapes": {"buckets": [4, 8, 12]},
@@ -210,6 +212,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=DEFAULT_LR,
                         help="learner.optimizer.lr of every run (the step size sets how far the "
                              "policy moves per version, so how much a lag of k matters)")
+    parser.add_argument("--rho-max", type=float, default=DEFAULT_RHO_MAX,
+                        help="learner.loss.rho_max of every run (where truncated_is and decoupled "
+                             "cap their importance weights)")
     parser.add_argument("--max-wall-s", type=float, default=None,
                         help="safety cap per run in seconds, default 900 (120 with --quick); a "
                              "capped run says so in stopped_by")
@@ -230,8 +235,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("seeds", "steps", "eval_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
-    if args.margin < 0 or args.max_wall_s <= 0 or not args.lr > 0:
-        parser.error("--margin must be >= 0, --max-wall-s > 0 and --lr > 0")
+    if args.margin < 0 or args.max_wall_s <= 0 or not args.lr > 0 or not args.rho_max >= 1:
+        parser.error("--margin must be >= 0, --max-wall-s > 0, --lr > 0 and --rho-max >= 1")
     return args
 
 
@@ -275,7 +280,7 @@ def one_run(args, lag: int, correction: str, seed: int, root: pathlib.Path) -> d
     config = load(data=run_config(lag=lag, correction=correction, seed=seed, steps=args.steps,
                                   eval_every=args.eval_every, margin=args.margin,
                                   run_dir=run_dir, max_wall_s=args.max_wall_s, level=args.level,
-                                  lr=args.lr))
+                                  lr=args.lr, rho_max=args.rho_max))
     summary = train(config, live=False, t0=time.time())
     row = {"lag": lag, "correction": correction, "seed": seed, **read_run(run_dir, summary, lag)}
     if summary.get("errors"):
@@ -324,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             "targets": targets(rows, args.target_lag),
             "settings": {"env": "guess_number", "n": 16, "max_turns": 4, "steps": args.steps,
                          "eval_every": args.eval_every, "margin": args.margin,
-                         "level": args.level, "lr": args.lr,
+                         "level": args.level, "lr": args.lr, "rho_max": args.rho_max,
                          "groups_per_batch": GROUPS_PER_BATCH, "group_size": GROUP_SIZE,
                          "seeds": args.seeds, "lags": args.lags,
                          "corrections": args.corrections,

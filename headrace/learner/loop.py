@@ -320,9 +320,7 @@ class Learner:
             self.metrics.observe("learner/wait_data_s", waited)
             built_s = 0.0
             if batch is None:
-                built_s = time.perf_counter()
-                batch = self._build(entries)
-                built_s = time.perf_counter() - built_s
+                batch, built_s = self._build(entries)
             self._record_staleness(entries)  # lag against self.version: the train version
             started, compiled = time.time(), compiles.compiles("train_step")
             start, cpu_start = time.perf_counter(), time.process_time()
@@ -338,7 +336,7 @@ class Learner:
                 next_version = self.version + (self._since_publish + 1) // lc.publish_every
                 upcoming = self._gather(next_version, block=False)
                 if upcoming is not None:
-                    ahead = upcoming, self._build(upcoming) if self.peers is None else None
+                    ahead = upcoming, self._build(upcoming)[0] if self.peers is None else None
             step_metrics, finished = done.result()
             compiled = compiles.compiles("train_step") != compiled
             self._finish_step(step_metrics, finished - start, start, cpu_start, batch, compiled)
@@ -372,8 +370,12 @@ class Learner:
         return "train"
 
     def _build(self, entries: list[Entry]):
-        with self.metrics.timer("learner/batch_s"):
-            return self.batcher.build([e.group for e in entries])
+        """The batch of `entries` and the seconds building it took (`learner/batch_s`)."""
+        start = time.perf_counter()
+        batch = self.batcher.build([e.group for e in entries])
+        seconds = time.perf_counter() - start
+        self.metrics.observe("learner/batch_s", seconds)
+        return batch, seconds
 
     def _finish_step(self, step_metrics: dict, elapsed: float, start: float, cpu_start: float,
                      batch, compiled: bool) -> None:
