@@ -3,7 +3,7 @@
     headrace bench staleness [--quick] [--json] [--seeds 3] [--lags 0,4,16]
                              [--corrections none,truncated_is,ppo_clip,decoupled] [--steps N]
                              [--eval-every N] [--margin 0] [--target-lag 4] [--lr 3e-4]
-                             [--rho-max 2] [--out DIR]
+                             [--rho-max 2] [--level token] [--out DIR]
 
 Trains guess_number (N=16, T=4) once per (lag k, correction, seed), one run after another, through
 the code path `headrace train` takes (`runtime.threads.train` on a config built by
