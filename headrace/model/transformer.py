@@ -138,7 +138,7 @@ class Attention(nnx.Module):
         else:
             k_bsge, v_bsge = k_btge, v_btge
         out_btgre = attend(q_bthe.reshape(b, t_q, g, r, e), k_bsge, v_bsge, mask_bqk,
-                           causal=cache_kv is None)
+                           causal=cache_kv is None and not last_only)
         return self.o(out_btgre.reshape(b, t_q, d.n_heads * e)), cache_kv
 
 
