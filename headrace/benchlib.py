@@ -14,14 +14,30 @@ import bisect
 import json
 import math
 import os
+import pathlib
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
+
+from headrace.types import Group, Trajectory, Turn
+
+# The example configs ship in the package, next to the benchmarks: a wheel runs them anywhere.
+EXAMPLES = pathlib.Path(__file__).resolve().parent / "examples"
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a benchmark's helper process (`python -m headrace.benchmarks.X`): this
+    process's, with the folder that holds `headrace` first on PYTHONPATH (a checkout or a wheel's
+    site-packages), so the child imports the same code."""
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p)}
 
 
 def bench_parser() -> argparse.ArgumentParser:
@@ -129,3 +145,40 @@ class StealClock:
             return self._steal[i]
 
         return at(end) - at(start)
+
+
+BYTES_PER_TOKEN = 13  # int32 token + bool mask + float32 logprob + int32 version
+
+
+def finish(result: dict, problems: Sequence[str], *, as_json: bool, title: str) -> int:
+    """Reports `result` (`emit`), then each broken promise on stderr; the exit status (1 when any
+    promise was broken)."""
+    emit(result, as_json=as_json, title=title)
+    for problem in problems:
+        print(f"PROBLEM: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def payload_group(index: int, payload_bytes: int, trajectories: int) -> Group:
+    """A valid group of `trajectories` trajectories whose arrays total about `payload_bytes`
+    (what a buffer or weight benchmark moves around)."""
+    tokens = max(payload_bytes // (BYTES_PER_TOKEN * trajectories) - 8, 4)
+    items = []
+    for j in range(trajectories):
+        items.append(Trajectory(
+            trajectory_id=f"b{index}-{j}", group_id=f"b{index}", task_id=f"task{index}",
+            env="bench", actor_id="bench", tokens=np.arange(tokens, dtype=np.int32),
+            loss_mask=np.arange(tokens) >= tokens // 4,
+            behaviour_logprobs=np.full(tokens, -0.5, np.float32),
+            policy_version=np.zeros(tokens, np.int32),
+            turns=[Turn(0, tokens // 4, "user"), Turn(tokens // 4, tokens, "assistant", 1.0)],
+            reward=1.0, timings={"started": time.time()}))
+    return Group(f"b{index}", f"task{index}", items)
+
+
+def tail_quantiles(samples: Sequence[float]) -> tuple[float, float, float]:
+    """(p50, p99, p99.9) of `samples`; NaN each without samples."""
+    if not samples:
+        return (float("nan"),) * 3
+    p50, p99, p999 = np.quantile(np.asarray(samples), [0.5, 0.99, 0.999])
+    return float(p50), float(p99), float(p999)

@@ -3,27 +3,22 @@
 Every field has a one-line doc (its comment). Values are checked against their annotated types while
 loading and against their ranges in `__post_init__`; every failure is a `ConfigError` whose message
 names the key, the value and what is allowed, so the command line can print one line and exit 2.
+Building a typed tree from plain data is `headrace.configtree`'s (the simulator's spec uses it
+too); the learner's sections (optimizer, loss, learner, shapes, staleness, parallel) live in
+`headrace.config_learner` and are importable from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
-import types
 import typing
-from collections.abc import Callable
 from typing import Any, Literal
 
-import yaml
-
-
-class ConfigError(ValueError):
-    """A config file, key or value is wrong; the message says which and what is allowed."""
-
-
-def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r}: {allowed}")
+from headrace.config_learner import LearnerConfig, ParallelConfig, ShapesConfig, StalenessConfig
+from headrace.config_learner import LossConfig as LossConfig  # re-exported: one import for all
+from headrace.config_learner import OptimizerConfig as OptimizerConfig
+from headrace.configtree import ConfigError, _check, build, plain, read_tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,22 +27,42 @@ class RunConfig:
     mode: Literal["async", "sync"] = "async"  # decoupled actors/learner, or the synchronous baseline
     seed: int = 0  # seeds model init, tasks and sampling
     max_steps: int = 0  # stop after this many learner steps (0: no limit)
-    max_wall_s: float = 0.0  # stop after this many seconds from process start (0: no limit)
+    # stop after this many seconds (0: no limit), from the `headrace` process's start (from the
+    # call when a run is started from Python)
+    max_wall_s: float = 0.0
     max_train_s: float = 0.0  # stop this many seconds after the first trained step (0: no limit)
     eval_every: int = 50  # greedy evaluation every this many learner steps (0: only at the end)
     eval_target: float = 0.9  # success rate that `time_to_target_s` reports reaching
     stop_at_target: bool = False  # end the run once the periodic evaluation reaches eval_target
-    checkpoint_every: int = 0  # learner steps between checkpoints (0: only at the end)
+    checkpoint_every: int = 20  # learner steps between checkpoints; entries are acknowledged after
+    # the checkpoint that covers them (0: only at the end, acknowledging each step: not crash-safe)
     ledger: bool = False  # record every group written, trained, dropped (exact accounting; costly)
-    launcher: Literal["threads", "processes", "ray"] = "threads"  # how components are run
+    launcher: Literal["threads", "processes", "ray"] = "processes"  # how components are run
     log_every: int = 10  # learner steps between metric records
     trace_rate: float = 0.01  # share of groups traced stage by stage into traces.jsonl (0: off)
     learner_cpus: tuple[int, ...] = ()  # processes launcher: pin the learner (and 1 XLA thread) here
     actor_cpus: tuple[int, ...] = ()  # processes launcher: pin the actors here (empty: anywhere)
+    ray_address: str = ""  # ray launcher: the cluster to join (empty: $RAY_ADDRESS, else a local one)
+    ray_learner_bundle: dict[str, float] = dataclasses.field(
+        default_factory=lambda: {"CPU": 1.0})  # ray: resources reserved per learner host (GPU, TPU,
+    # or a custom resource that names the learner's nodes)
+    ray_actor_bundle: dict[str, float] = dataclasses.field(
+        default_factory=lambda: {"CPU": 1.0})  # ray: resources reserved per actor
+    ray_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "SPREAD"  # ray:
+    # how the placement group lays its bundles over the nodes
+    # ray: resources of the node that runs the embedded redis-server (e.g. {CPU: 1,
+    # headrace_buffer: 1}); empty: the driver's node
+    ray_buffer_bundle: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        _check(self.launcher != "ray", "run.launcher", self.launcher,
-               "the Ray launcher is planned, not yet built; use threads or processes")
+        for key in ("ray_learner_bundle", "ray_actor_bundle", "ray_buffer_bundle"):
+            bundle = getattr(self, key)
+            if key == "ray_buffer_bundle" and not bundle:
+                continue  # the driver's node
+            _check(bool(bundle) and all(v >= 0 for v in bundle.values())
+                   and any(v > 0 for v in bundle.values()), f"run.{key}", bundle,
+                   "must name at least one resource with an amount > 0, none < 0 "
+                   "(e.g. {CPU: 1} or {GPU: 1})")
         for key in ("max_steps", "eval_every", "checkpoint_every"):
             _check(getattr(self, key) >= 0, f"run.{key}", getattr(self, key), "must be >= 0")
         for key in ("max_wall_s", "max_train_s"):
@@ -79,23 +94,31 @@ class EnvConfig:
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # passed to the constructor
     latency: LatencyConfig = LatencyConfig()  # injected environment latency
     step_timeout_s: float = 30.0  # an env step slower than this ends its episode with status error
+    reset_timeout_s: float = 60.0  # an env reset slower than this does too; a timed-out env is
+    # discarded (its call may still run on a thread) and replaced by a fresh one
 
     def __post_init__(self):
         _check(bool(self.name), "env.name", self.name, "a built-in name or module:Class")
         _check(self.step_timeout_s > 0, "env.step_timeout_s", self.step_timeout_s, "must be > 0")
+        _check(self.reset_timeout_s > 0, "env.reset_timeout_s", self.reset_timeout_s,
+               "must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
 class TextConfig:
-    """How episodes become tokens (`headrace.text.template`); the default keeps the plain form."""
+    """How episodes become tokens (`headrace.text.template`, `headrace.text.jinja_template`)."""
 
-    template: str = "plain"  # chat template: plain (bare turns), chat (role tokens), or module:NAME
+    # chat template: auto (the checkpoint's own with model.init_from hf:/gguf:, else plain),
+    # plain (bare turns), chat (role tokens), FILE.jinja (a Jinja chat template), or module:NAME
+    template: str = "auto"
     system: str = ""  # system prompt opening every episode ("": none)
     observation_role: Literal["user", "tool"] = "user"  # role of the observations after the first
+    tools: str = ""  # JSON file of tool (function) schemas shown to a Jinja template ("": none)
+    tool_format: Literal["auto", "template", "hermes"] = "auto"  # tools: template syntax or hermes
 
     def __post_init__(self):
         _check(bool(self.template), "text.template", self.template,
-               "plain, chat, or module:NAME of a ChatTemplate")
+               "auto, plain, chat, FILE.jinja, or module:NAME of a ChatTemplate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +144,29 @@ class SftConfig:
         _check(bool(self.demos), "sft.demos", self.demos, "'solver' or a JSONL file")
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # headrace's projection names
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    # LoRA adapters (Hu et al. 2021): rank 0 trains every parameter; rank r >= 1 freezes the base
+    # and trains adapters A [in, r], B [r, out] on `targets`, publishing the adapters only.
+    rank: int = 0
+    alpha: float = 16.0  # the adapters' scale is alpha / rank
+    targets: tuple[str, ...] = LORA_TARGETS  # projections that get adapters (of LORA_TARGETS)
+
+    def __post_init__(self):
+        _check(self.rank >= 0, "model.lora.rank", self.rank, "must be >= 0 (0: no adapters)")
+        _check(self.alpha > 0, "model.lora.alpha", self.alpha, "must be > 0")
+        _check(bool(self.targets), "model.lora.targets", list(self.targets),
+               f"must name at least one of {list(LORA_TARGETS)}")
+        for target in self.targets:
+            _check(target in LORA_TARGETS, "model.lora.targets", list(self.targets),
+                   f"{target!r} is not a projection; choose from {list(LORA_TARGETS)}")
+        _check(len(set(self.targets)) == len(self.targets), "model.lora.targets",
+               list(self.targets), "names a projection twice")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     preset: Literal["tiny", "small", "custom"] = "tiny"  # fills the sizes below unless custom
@@ -131,8 +177,15 @@ class ModelConfig:
     n_kv_heads: int = 2  # key/value heads (grouped-query attention)
     d_ff: int = 128  # SwiGLU hidden width
     max_len: int = 4096  # longest sequence (RoPE table size)
-    dtype: Literal["float32", "bfloat16"] = "float32"  # parameter and activation dtype
-    init_from: str = ""  # start from the weights of this run folder (headrace sft or train)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute (and published weights') dtype
+    # block: each transformer block under jax.checkpoint in the learner (keeps only its input for
+    # the backward pass, recomputes the rest); none: keeps every intermediate (faster, more memory);
+    # auto: block on a mesh of more than one device, none on one device
+    remat: Literal["auto", "none", "block"] = "auto"
+    # Start from these weights: a run folder (headrace sft or train), hf:DIR (a Hugging Face
+    # folder), gguf:FILE or gguf:pkg:PACKAGE/PATH; a checkpoint also sets every size above.
+    init_from: str = ""
+    lora: LoraConfig = LoraConfig()  # low-rank adapters: train (and publish) these only
 
     def __post_init__(self):
         for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_len"):
@@ -144,6 +197,36 @@ class ModelConfig:
                "head size d_model/n_heads must be even (RoPE)")
         _check(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads", self.n_kv_heads,
                f"must divide model.n_heads={self.n_heads}")
+
+    @staticmethod
+    def complete(kwargs: dict[str, Any], prefix: str) -> dict[str, Any]:
+        """The given keys plus the preset's sizes not given (`configtree.build` calls it).
+
+        Raises:
+          ConfigError: a size given beside a checkpoint, which sets them all.
+        """
+        _check_checkpoint_sizes(kwargs, prefix)
+        preset = MODEL_PRESETS.get(kwargs.get("preset", "tiny"), {})
+        return {**{k: v for k, v in preset.items() if k not in kwargs}, **kwargs}
+
+
+# Keys a checkpoint (`model.init_from: hf:DIR | gguf:FILE`) fixes by itself.
+CHECKPOINT_SIZE_KEYS = ("preset", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                        "d_ff", "max_len")
+
+
+def _check_checkpoint_sizes(kwargs: dict[str, Any], prefix: str) -> None:
+    """With a checkpoint, dims, vocabulary and max_len come from it: a size also given (other than
+    its default) is refused, naming the key."""
+    source = str(kwargs.get("init_from", ""))
+    if source.partition(":")[0] not in ("hf", "gguf") or ":" not in source:
+        return
+    defaults = ModelConfig()
+    for key in CHECKPOINT_SIZE_KEYS:
+        if key in kwargs and kwargs[key] != getattr(defaults, key):
+            raise ConfigError(f"{prefix}.{key}={kwargs[key]!r}: {prefix}.init_from={source!r} is "
+                              f"a checkpoint, whose config sets the model's sizes; remove "
+                              f"{prefix}.{key}")
 
 
 MODEL_PRESETS: dict[str, dict[str, int]] = {
@@ -177,6 +260,31 @@ class SamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class VLLMConfig:
+    """`actor.engine: vllm` (docs/engines.md): a vLLM OpenAI server per actor, fed by token ids."""
+
+    python: str = ""  # the vLLM environment's interpreter (empty: the repo's .venv-vllm/bin/python)
+    url: str = ""  # a running server to use instead of starting one (http://host:port; loopback)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # the served weights' dtype (fp32: checked)
+    max_model_len: int = 0  # the server's context length (0: the largest shapes.buckets entry)
+    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE: the KV cache's size in GiB
+    threads: int = 1  # CPU threads the server computes with (OMP threads)
+    start_timeout_s: float = 300.0  # longest the server may take to become ready
+    request_timeout_s: float = 600.0  # longest one generation call may take (a dead server errs)
+
+    def __post_init__(self):
+        _check(self.max_model_len >= 0, "actor.vllm.max_model_len", self.max_model_len,
+               "must be >= 0 (0: the largest shapes.buckets entry)")
+        _check(self.kv_cache_gib > 0, "actor.vllm.kv_cache_gib", self.kv_cache_gib, "must be > 0")
+        _check(self.threads >= 1, "actor.vllm.threads", self.threads, "must be >= 1")
+        for key in ("start_timeout_s", "request_timeout_s"):
+            _check(getattr(self, key) > 0, f"actor.vllm.{key}", getattr(self, key), "must be > 0")
+        _check(not self.url or self.url.startswith(("http://", "https://")), "actor.vllm.url",
+               self.url, "must be an http:// address (http://127.0.0.1:8000), or empty to start "
+               "a server")
+
+
+@dataclasses.dataclass(frozen=True)
 class ActorConfig:
     num_actors: int = 1  # actor threads or processes
     envs_per_actor: int = 256  # concurrent episodes per actor (a multiple of group_size)
@@ -184,10 +292,15 @@ class ActorConfig:
     cpu_threads: int = 1  # XLA CPU threads per actor process
     max_batch: int = 512  # most episodes in one batched policy call
     batch_wait_ms: float = 2.0  # how long a policy call waits for more episodes to batch with
+    max_restarts: int = 5  # processes and ray launchers: crashes in a row (each restarted with backoff 1, 2,
+    # 4 ... 30 s) after which an actor's error ends the run; a run of HEALTHY_S resets the count
+    engine: Literal["jax", "vllm"] = "jax"  # what generates: the JAX sampler, or a vLLM server
+    vllm: VLLMConfig = VLLMConfig()  # the vllm engine's server (docs/engines.md)
 
     def __post_init__(self):
         for key in ("num_actors", "envs_per_actor", "group_size", "cpu_threads", "max_batch"):
             _check(getattr(self, key) >= 1, f"actor.{key}", getattr(self, key), "must be >= 1")
+        _check(self.max_restarts >= 0, "actor.max_restarts", self.max_restarts, "must be >= 0")
         _check(self.envs_per_actor % self.group_size == 0, "actor.envs_per_actor",
                self.envs_per_actor, f"must be a multiple of actor.group_size={self.group_size}")
         _check(self.batch_wait_ms >= 0, "actor.batch_wait_ms", self.batch_wait_ms, "must be >= 0")
@@ -195,11 +308,16 @@ class ActorConfig:
 
 @dataclasses.dataclass(frozen=True)
 class BufferConfig:
-    backend: Literal["redis", "memory"] = "memory"  # trajectory store
+    backend: Literal["auto", "redis", "memory"] = "auto"  # trajectory store (auto: the launcher's)
     url: str = ""  # redis://host:port/db; empty: the launcher starts a local redis-server
-    password: str = ""  # Redis AUTH password
+    password: str = ""  # Redis AUTH password (or $HEADRACE_REDIS_PASSWORD; never in a URL)
+    host: str = "127.0.0.1"  # address the embedded redis-server binds (loopback by default)
+    port: int = 0  # the embedded redis-server's port (0: a free one)
+    shards: int = 1  # streams the groups are spread over (by a hash of the actor id)
+    urls: tuple[str, ...] = ()  # one Redis per shard (shard 0's also holds admission); not with url
     capacity: int = 64  # undelivered groups at most; put blocks beyond
-    max_pending: int = 1024  # delivered, unacknowledged groups at most
+    max_pending: int = 2048  # delivered, unacknowledged groups at most (>= groups_per_batch x
+    # (run.checkpoint_every + 1) under the processes launcher: acks wait for checkpoints)
     fsync: Literal["everysec", "always"] = "everysec"  # Redis append-only fsync policy
     claim_idle_s: float = 60.0  # pending entries idle this long go to another consumer
     put_timeout_s: float = 600.0  # a put blocked this long raises BufferFull
@@ -209,140 +327,71 @@ class BufferConfig:
         _check(self.max_pending >= 1, "buffer.max_pending", self.max_pending, "must be >= 1")
         _check(self.claim_idle_s > 0, "buffer.claim_idle_s", self.claim_idle_s, "must be > 0")
         _check(self.put_timeout_s > 0, "buffer.put_timeout_s", self.put_timeout_s, "must be > 0")
+        _check(self.shards >= 1, "buffer.shards", self.shards, "must be >= 1")
+        _check(bool(self.host.strip()), "buffer.host", self.host, "must name an address")
+        _check(0 <= self.port <= 65535, "buffer.port", self.port, "must be in [0, 65535]")
+        _check(not (self.url and self.urls), "buffer.urls", list(self.urls),
+               "give buffer.url (one server) or buffer.urls (one per shard), not both")
+        _check(not self.urls or self.shards in (1, len(self.urls)), "buffer.shards", self.shards,
+               f"buffer.urls names {len(self.urls)} servers: one shard each; leave buffer.shards "
+               "out or set it to that number")
+        for url in (self.url, *self.urls):
+            _check(not _has_password(url), "buffer.url(s)", _redacted(url),
+                   "carries a password: give it as buffer.password or $HEADRACE_REDIS_PASSWORD "
+                   "(a URL is printed and logged)")
+
+    @property
+    def shard_count(self) -> int:
+        """How many streams the groups go to: len(urls) when urls are given, else shards."""
+        return len(self.urls) or self.shards
+
+    def shard_url(self, shard: int, default: str = "") -> str:
+        """The server of `shard`: its entry of `urls`, else `url` (or `default`: an embedded
+        server's) for every shard."""
+        return self.urls[shard] if self.urls else (self.url or default)
+
+
+def _has_password(url: str) -> bool:
+    import urllib.parse
+
+    try:
+        return bool(urllib.parse.urlsplit(url).password)
+    except ValueError:
+        return False
+
+
+def _redacted(url: str) -> str:
+    """`url` with its password (if any) written as ***: what may be printed."""
+    import urllib.parse
+
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    if not parts.password:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}***@{host}"))
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightsConfig:
-    backend: Literal["dir", "memory"] = "memory"  # weight store
+    backend: Literal["auto", "dir", "memory", "redis"] = "auto"  # weight store (auto: launcher's)
     path: str = ""  # directory of the dir backend (default: RUN_DIR/weights)
     keep: int = 0  # versions kept (0: max_policy_lag + 2)
+    # Redis server of the redis backend, redis://[user@]host:port/db (empty: the buffer's server,
+    # the run's embedded one by default); its password is the buffer's unless the URL has one.
+    url: str = ""
+    chunk_mib: int = 8  # redis backend: MiB per chunk of an array (published and read in chunks)
+    namespace: str = ""  # redis backend: the versions' key namespace (empty: the run folder's name)
 
     def __post_init__(self):
         _check(self.keep >= 0, "weights.keep", self.keep, "must be >= 0")
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    lr: float = 1e-3  # peak learning rate
-    b1: float = 0.9  # Adam beta1
-    b2: float = 0.999  # Adam beta2
-    weight_decay: float = 0.0  # AdamW decoupled weight decay
-    clip_norm: float = 1.0  # global gradient norm clip (0: off)
-    schedule: Literal["constant", "cosine"] = "constant"  # learning-rate schedule
-    warmup_steps: int = 0  # linear warm-up, in optimizer updates
-    decay_steps: int = 10000  # cosine decay length, in optimizer updates
-
-    def __post_init__(self):
-        _check(self.lr > 0, "learner.optimizer.lr", self.lr, "must be > 0")
-        _check(0 <= self.b1 < 1 and 0 <= self.b2 < 1, "learner.optimizer.b1/b2",
-               (self.b1, self.b2), "must be in [0, 1)")
-        _check(self.clip_norm >= 0, "learner.optimizer.clip_norm", self.clip_norm, "must be >= 0")
-        _check(self.warmup_steps >= 0, "learner.optimizer.warmup_steps", self.warmup_steps,
-               "must be >= 0")
-        _check(self.decay_steps >= 1, "learner.optimizer.decay_steps", self.decay_steps,
-               "must be >= 1")
-
-
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-    kind: Literal["none", "truncated_is", "ppo_clip", "decoupled"] = "ppo_clip"  # off-policy correction
-    rho_max: float = 2.0  # truncation of importance weights (truncated_is, decoupled)
-    clip_eps: float = 0.2  # PPO ratio clip
-    dual_clip: float = 3.0  # dual-clip bound for negative advantages (0: off)
-    # Importance ratio per token, per sequence (GSPO), or per decision: the product over the
-    # sequence's loss tokens so far (`headrace.learner.losses`).
-    level: Literal["token", "sequence", "prefix"] = "token"
-
-    def __post_init__(self):
-        _check(self.rho_max >= 1, "learner.loss.rho_max", self.rho_max, "must be >= 1")
-        _check(0 < self.clip_eps < 1, "learner.loss.clip_eps", self.clip_eps, "must be in (0, 1)")
-        _check(self.dual_clip == 0 or self.dual_clip > 1, "learner.loss.dual_clip", self.dual_clip,
-               "must be 0 (off) or > 1")
-
-
-@dataclasses.dataclass(frozen=True)
-class LearnerConfig:
-    groups_per_batch: int = 64  # groups consumed per learner step
-    publish_every: int = 1  # learner steps between weight publishes
-    optimizer: OptimizerConfig = OptimizerConfig()  # AdamW settings
-    loss: LossConfig = LossConfig()  # policy-gradient loss and its correction
-    advantage: Literal["grpo", "rloo"] = "grpo"  # group-relative baseline
-    advantage_std_norm: bool = False  # divide advantages by the group's reward std
-    loss_agg: Literal["token_mean", "sequence_mean"] = "token_mean"  # loss aggregation
-    entropy_coef: float = 0.0  # entropy bonus weight
-    kl_coef: float = 0.0  # KL-to-reference weight (reference: the initial policy)
-    minibatches: int = 1  # optimizer updates per pass over the step's groups
-    epochs: int = 1  # passes over the step's groups (updates per trajectory; PPO's epochs)
-    token_budget: int = 0  # tokens per microbatch at most (0: one microbatch per minibatch)
-
-    def __post_init__(self):
-        _check(self.groups_per_batch >= 1, "learner.groups_per_batch", self.groups_per_batch,
-               "must be >= 1")
-        _check(self.publish_every >= 1, "learner.publish_every", self.publish_every, "must be >= 1")
-        _check(self.minibatches >= 1, "learner.minibatches", self.minibatches, "must be >= 1")
-        _check(self.epochs >= 1, "learner.epochs", self.epochs, "must be >= 1")
-        _check(self.groups_per_batch % self.minibatches == 0, "learner.minibatches",
-               self.minibatches, f"must divide learner.groups_per_batch={self.groups_per_batch}")
-        _check(self.entropy_coef >= 0, "learner.entropy_coef", self.entropy_coef, "must be >= 0")
-        _check(self.kl_coef >= 0, "learner.kl_coef", self.kl_coef, "must be >= 0")
-        _check(self.token_budget >= 0, "learner.token_budget", self.token_budget, "must be >= 0")
-
-
-def _default_buckets() -> tuple[int, ...]:
-    return tuple(2**i for i in range(5, 13))
-
-
-@dataclasses.dataclass(frozen=True)
-class ShapesConfig:
-    buckets: tuple[int, ...] = dataclasses.field(default_factory=_default_buckets)  # length ladder
-    rows_per_bucket: int = 0  # rows per microbatch for every bucket (0: derived from token_budget)
-    overlong: Literal["truncate", "reject"] = "truncate"  # what to do with a too-long trajectory
-
-    def __post_init__(self):
-        _check(len(self.buckets) > 0 and all(b >= 2 for b in self.buckets), "shapes.buckets",
-               self.buckets, "a non-empty list of lengths >= 2")
-        _check(list(self.buckets) == sorted(set(self.buckets)), "shapes.buckets", self.buckets,
-               "must be strictly increasing")
-        _check(self.rows_per_bucket >= 0, "shapes.rows_per_bucket", self.rows_per_bucket,
-               "must be >= 0")
-
-
-@dataclasses.dataclass(frozen=True)
-class StalenessConfig:
-    max_policy_lag: int = 4  # groups whose lag exceeds this many versions are dropped
-    max_age_s: float = 0.0  # groups older than this (seconds since start) are dropped (0: off)
-    forced_lag: int = 0  # experiments: actors act with weights this many versions old
-
-    def __post_init__(self):
-        _check(self.max_policy_lag >= 0, "staleness.max_policy_lag", self.max_policy_lag,
-               "must be >= 0")
-        _check(self.max_age_s >= 0, "staleness.max_age_s", self.max_age_s, "must be >= 0")
-        _check(0 <= self.forced_lag <= self.max_policy_lag, "staleness.forced_lag",
-               self.forced_lag, f"must be in [0, staleness.max_policy_lag={self.max_policy_lag}]")
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelConfig:
-    mesh: dict[str, int] = dataclasses.field(
-        default_factory=lambda: {"data": 1, "fsdp": 1, "tensor": 1})  # axis sizes (-1: the rest)
-    rules: dict[str, Any] = dataclasses.field(default_factory=dict)  # partition-rule overrides
-    processes: int = 1  # local learner processes joined by jax.distributed
-    max_replicated_share: float = 0.05  # refuse a mesh that leaves more parameter bytes replicated
-
-    def __post_init__(self):
-        _check(set(self.mesh) <= {"data", "fsdp", "tensor"}, "parallel.mesh", self.mesh,
-               "axes are data, fsdp and tensor")
-        _check(sum(v == -1 for v in self.mesh.values()) <= 1
-               and all(v == -1 or v >= 1 for v in self.mesh.values()),
-               "parallel.mesh", self.mesh, "sizes >= 1, at most one -1")
-        _check(self.processes >= 1, "parallel.processes", self.processes, "must be >= 1")
-        _check(0 <= self.max_replicated_share <= 1, "parallel.max_replicated_share",
-               self.max_replicated_share, "must be in [0, 1]")
-
-    @property
-    def sharded(self) -> bool:
-        """Whether the learner runs on a mesh (else one device, the plain step)."""
-        return self.processes > 1 or any(v != 1 for v in self.mesh.values())
+        _check(1 <= self.chunk_mib <= 64, "weights.chunk_mib", self.chunk_mib,
+               "must be in 1 .. 64 (4 chunks in flight stay under Redis's 1 GiB query buffer)")
+        _check(not self.url or self.url.startswith(("redis://", "rediss://", "unix://")),
+               "weights.url", self.url, "must be a redis://, rediss:// or unix:// URL")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,11 +411,50 @@ class Config:
     sft: SftConfig = SftConfig()
 
     def __post_init__(self):
+        self._resolve_backends()
         _check(self.run.mode != "sync" or self.learner.publish_every == 1,
                "learner.publish_every", self.learner.publish_every,
                "run.mode sync publishes after every step: must be 1")
         _check(self.model.max_len >= self.shapes.buckets[-1], "model.max_len", self.model.max_len,
                f"must be >= the largest bucket {self.shapes.buckets[-1]}")
+        _check(not (self.model.lora.rank and self.parallel.sharded), "model.lora.rank",
+               self.model.lora.rank, "LoRA trains on one learner device (the sharded learner "
+               "has no adapter rules yet): set model.lora.rank: 0 or parallel.mesh to one device "
+               "and parallel.processes: 1")
+        _check(self.buffer.shard_count == 1 or self.run.launcher == "processes",
+               "buffer.shards", self.buffer.shard_count, "shards are Redis streams that actor "
+               "processes write to by their ids: needs run.launcher=processes")
+        if self.actor.engine == "vllm":
+            self._check_vllm()
+
+    def _check_vllm(self) -> None:
+        """`actor.engine: vllm` reads published weights from the directory store (its worker
+        extension runs in vLLM's own process) and must report the log-probs the learner
+        recomputes: the untruncated, temperature-scaled distribution."""
+        _check(self.weights.backend == "dir", "weights.backend", self.weights.backend,
+               "actor.engine=vllm loads versions from the directory store inside vLLM's "
+               "process: set weights.backend: dir")
+        _check(self.sampling.top_k == 0 and self.sampling.top_p == 1.0, "sampling.top_k/top_p",
+               (self.sampling.top_k, self.sampling.top_p), "actor.engine=vllm reports log-probs "
+               "after truncation, which the learner does not apply: use top_k 0 and top_p 1")
+        _check(self.sampling.temperature > 0, "sampling.temperature", self.sampling.temperature,
+               "actor.engine=vllm needs a temperature > 0 (greedy is for evaluation)")
+
+    def _resolve_backends(self) -> None:
+        """`auto` backends become the launcher's: memory under threads; Redis and the directory
+        store under processes, which share no memory, so naming `memory` there is refused."""
+        launcher = self.run.launcher
+        chosen = {"buffer": "memory" if launcher == "threads" else "redis",
+                  "weights": "memory" if launcher == "threads" else "dir"}
+        for section, default in chosen.items():
+            current = getattr(self, section)
+            if current.backend == "auto":  # frozen: set once, here, before anyone reads it
+                object.__setattr__(self, section, dataclasses.replace(current, backend=default))
+            elif current.backend == "memory" and launcher != "threads":
+                raise ConfigError(
+                    f"{section}.backend='memory' with run.launcher={launcher!r}: the processes "
+                    f"launcher's learner and actors share no memory; set {section}.backend: "
+                    f"{default} (or leave it out: the launcher chooses), or run.launcher: threads")
 
     @property
     def weights_keep(self) -> int:
@@ -375,166 +463,6 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return plain(dataclasses.asdict(self))
-
-
-def plain(value: Any) -> Any:
-    """Dataclass-dict output with tuples as lists (YAML- and JSON-friendly)."""
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return value
-
-
-# --- loading -------------------------------------------------------------------------------------
-
-
-Converters = dict[Any, Callable[[Any, str], Any]]
-
-
-def _coerce(value: Any, annotation: Any, key: str, converters: Converters | None = None) -> Any:
-    """Checks `value` against a field annotation, converting where YAML is looser than Python.
-
-    `converters` maps annotations of custom types to functions (value, key) -> converted value.
-    """
-    origin = typing.get_origin(annotation)
-    if converters and annotation in converters:
-        return converters[annotation](value, key)
-    if dataclasses.is_dataclass(annotation):
-        return build(annotation, value, key, converters)
-    if origin is Literal:
-        allowed = typing.get_args(annotation)
-        _check(value in allowed, key, value, f"one of {', '.join(map(str, allowed))}")
-        return value
-    if origin in (types.UnionType, typing.Union):
-        for option in typing.get_args(annotation):
-            if option is type(None) and value is None:
-                return None
-            try:
-                return _coerce(value, option, key)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{key}={value!r}: must be {annotation}")
-    if origin is tuple:
-        _check(isinstance(value, (list, tuple)), key, value, "must be a list")
-        (item_type, _) = typing.get_args(annotation)
-        return tuple(_coerce(v, item_type, f"{key}[{i}]") for i, v in enumerate(value))
-    if origin is dict:
-        _check(isinstance(value, dict), key, value, "must be a mapping")
-        _, value_type = typing.get_args(annotation)
-        return {str(k): _coerce(v, value_type, f"{key}.{k}") for k, v in value.items()}
-    if annotation is Any:
-        return value
-    if annotation is bool:
-        _check(isinstance(value, bool), key, value, "must be true or false")
-        return value
-    if annotation is int:
-        _check(isinstance(value, int) and not isinstance(value, bool), key, value,
-               "must be an integer")
-        return value
-    if annotation is float:
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        _check(isinstance(value, (int, float)) and not isinstance(value, bool), key, value,
-               "must be a number")
-        return float(value)
-    if annotation is str:
-        _check(isinstance(value, str), key, value, "must be a string")
-        return value
-    raise TypeError(f"unsupported config annotation {annotation} at {key}")
-
-
-def build(cls: type, data: Any, prefix: str = "", converters: Converters | None = None) -> Any:
-    """Builds the dataclass `cls` from a nested mapping, checking keys and value types.
-
-    Raises:
-      ConfigError: an unknown key, a value of the wrong type, or one its `__post_init__` refuses.
-    """
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'the top level'}={data!r}: must be a mapping of "
-                          f"{cls.__name__} keys")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for name, value in data.items():
-        key = f"{prefix}.{name}" if prefix else str(name)
-        if name not in fields:
-            raise ConfigError(f"{key}: unknown key; {prefix or 'the top level'} has "
-                              f"{', '.join(sorted(fields))}")
-        kwargs[name] = _coerce(value, hints[name], key, converters)
-    if cls is ModelConfig:
-        preset = kwargs.get("preset", "tiny")
-        sizes = {k: v for k, v in MODEL_PRESETS.get(preset, {}).items() if k not in kwargs}
-        kwargs.update(sizes)
-    return cls(**kwargs)
-
-
-def _merge(base: dict, path: list[str], value: Any) -> None:
-    for name in path[:-1]:
-        node = base.setdefault(name, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{'.'.join(path)}: {name} is not a section")
-        base = node
-    base[path[-1]] = value
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """Splits `a.b=v` into (["a", "b"], v), parsing v as YAML."""
-    if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected section.key=value")
-    key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw else ""
-    except yaml.YAMLError as error:
-        raise ConfigError(f"--set {key}={raw!r}: not valid YAML ({error.problem})") from None
-    return key.strip().split("."), value
-
-
-def read_tree(path: str | pathlib.Path | None, overrides: typing.Sequence[str] = (),
-              data: dict | None = None, what: str = "config file") -> dict[str, Any]:
-    """A nested mapping from a YAML file (or a dict) with `section.key=value` overrides applied.
-
-    Raises:
-      ConfigError: the file is missing, not YAML, or not a mapping; an override is malformed.
-    """
-    tree: dict[str, Any] = dict(data or {})
-    if path is not None:
-        path = pathlib.Path(path)
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except (FileNotFoundError, IsADirectoryError):
-            raise ConfigError(f"{path}: no such {what}") from None
-        except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"{path}: not valid YAML{where}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: must be a mapping of sections")
-        tree.update(loaded or {})
-    for override in overrides:
-        keys, value = parse_override(override)
-        _merge(tree, keys, value)
-    return tree
-
-
-def import_object(key: str, spec: str, error: type[Exception] = ConfigError) -> Any:
-    """The object `module:NAME` names (a user's plug-in: environment class, chat template).
-
-    Raises:
-      error: `spec` is not module:NAME, or the module cannot be imported; the message names `key`.
-      AttributeError is not raised: a missing NAME gives None, for the caller to check the type.
-    """
-    import importlib
-
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise error(f"{key}={spec!r}: cannot import {module_name} ({exc})") from None
-    return getattr(module, attr, None)
 
 
 def load(path: str | pathlib.Path | None = None, overrides: typing.Sequence[str] = (),

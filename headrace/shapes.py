@@ -9,7 +9,12 @@ number of programs:
   `rows = token_budget // bucket` (at least 1), so every microbatch holds about the same number of
   token slots and memory stays flat across buckets; `shapes.rows_per_bucket` fixes the rows
   instead. Without either, a minibatch is one microbatch whose rows are rounded up on a
-  coarse ladder (`rows_for_count`).
+  coarse ladder (`rows_for_count`);
+- with `shapes.tail_splits: k` a bucket also has microbatches of 1/2, 1/4, ... 1/2^k of its rows,
+  for a minibatch's partly filled microbatches (its tail): finer granularity where short steps
+  would leave most of a last microbatch empty, at up to k more shapes per bucket used;
+- `choose_ladder` picks a short ladder from observed lengths, so that buckets x tail shapes stay
+  within a compile bound.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 if TYPE_CHECKING:
     from headrace.config import LearnerConfig, ShapesConfig
@@ -111,6 +118,7 @@ class ShapePolicy:
     token_budget: int = 0  # token slots per microbatch (0: no budget)
     rows_per_bucket: int = 0  # rows of every microbatch, whatever its bucket (0: from the budget)
     row_multiple: int = 1  # every row count is rounded up to a multiple (a mesh's data x fsdp)
+    tail_splits: int = 0  # a bucket's rows may also be halved this many times (fixed rows only)
 
     def __post_init__(self):
         buckets = tuple(int(b) for b in self.buckets)
@@ -119,16 +127,17 @@ class ShapePolicy:
                              "list of lengths >= 1")
         if self.row_multiple < 1:
             raise ValueError(f"row_multiple={self.row_multiple}: must be >= 1")
-        if self.token_budget < 0 or self.rows_per_bucket < 0:
+        if self.token_budget < 0 or self.rows_per_bucket < 0 or self.tail_splits < 0:
             raise ValueError(f"token_budget={self.token_budget}, rows_per_bucket="
-                             f"{self.rows_per_bucket}: must be >= 0")
+                             f"{self.rows_per_bucket}, tail_splits={self.tail_splits}: "
+                             "must be >= 0")
         object.__setattr__(self, "buckets", buckets)
 
     @classmethod
     def from_config(cls, shapes: ShapesConfig, learner: LearnerConfig,
                     row_multiple: int = 1) -> ShapePolicy:
         return cls(tuple(shapes.buckets), learner.token_budget, shapes.rows_per_bucket,
-                   row_multiple)
+                   row_multiple, shapes.tail_splits)
 
     def _round(self, rows: int) -> int:
         return -(-rows // self.row_multiple) * self.row_multiple
@@ -167,13 +176,72 @@ class ShapePolicy:
         raise ValueError("no fixed rows: set learner.token_budget or shapes.rows_per_bucket")
 
     def shape(self, bucket: int) -> tuple[int, int]:
-        """(rows, bucket) of a microbatch of `bucket` (fixed rows only)."""
+        """(rows, bucket) of a full microbatch of `bucket` (fixed rows only)."""
         return self.rows(bucket), bucket
 
+    def tail_rows(self, bucket: int) -> tuple[int, ...]:
+        """Row counts a microbatch of `bucket` may have, ascending: `rows(bucket)` halved up to
+        `tail_splits` times (each rounded up to `row_multiple`, at least one row)."""
+        full = self.rows(bucket)
+        return tuple(sorted({self._round(max(full >> j, 1)) for j in range(self.tail_splits + 1)}))
+
+    def rows_holding(self, bucket: int, used: int) -> int:
+        """The fewest rows of `bucket`'s tail rows that hold `used` rows of data."""
+        return next(r for r in self.tail_rows(bucket) if r >= used)
+
     def shapes(self) -> tuple[tuple[int, int], ...]:
-        """Every microbatch shape of a fixed-rows policy, smallest bucket first.
+        """Every microbatch shape of a fixed-rows policy (tail shapes included), smallest bucket
+        first: a learner compiles at most this many train-step programs.
 
         Raises:
           ValueError: the policy has no fixed rows (its row counts follow the data).
         """
-        return tuple(self.shape(b) for b in self.buckets)
+        return tuple((r, b) for b in self.buckets for r in self.tail_rows(b))
+
+
+def choose_ladder(lengths: Sequence[int], count: int, smallest: int = 32,
+                  largest: int = 4096) -> tuple[int, ...]:
+    """At most `count` buckets, powers of two in [smallest, largest], chosen for `lengths`.
+
+    The largest bucket is the one holding the longest length (capped at `largest`: longer ones
+    are truncated or rejected). The others minimise the attention work of packed rows, about
+    sum(length x row width) over the lengths with each placed in the smallest chosen bucket
+    that holds it (exact dynamic programme over the candidate powers of two). Use it offline on
+    a sample of a task's episode lengths and put the result in `shapes.buckets`; the ladder
+    must not change during a run (each new bucket compiles).
+
+    Raises:
+      ValueError: no lengths, count < 1, or smallest > largest.
+    """
+    lengths = np.minimum(np.asarray(lengths, np.int64), largest)
+    if lengths.size == 0 or count < 1 or smallest > largest or lengths.min() < 1:
+        raise ValueError(f"choose_ladder: need lengths >= 1 and count >= 1 (got {lengths.size} "
+                         f"lengths, count {count}, range {smallest}..{largest})")
+    candidates = [smallest]
+    while candidates[-1] < largest:
+        candidates.append(min(candidates[-1] * 2, largest))
+    top = next(c for c in candidates if c >= lengths.max())
+    candidates = candidates[:candidates.index(top) + 1]
+    # mass[i]: tokens of lengths in (candidates[i-1], candidates[i]]
+    edges = np.searchsorted(candidates, lengths)
+    mass = np.bincount(edges, weights=lengths, minlength=len(candidates))
+    tokens_upto = np.concatenate([[0.0], np.cumsum(mass)])
+    n = len(candidates)
+    # best[k][i]: least cost of serving lengths <= candidates[i] with k buckets, the top one i
+    inf = float("inf")
+    best = [[inf] * n for _ in range(count + 1)]
+    back = [[-1] * n for _ in range(count + 1)]
+    for i in range(n):
+        best[1][i] = tokens_upto[i + 1] * candidates[i]
+    for k in range(2, count + 1):
+        for i in range(n):
+            for j in range(i):
+                cost = best[k - 1][j] + (tokens_upto[i + 1] - tokens_upto[j + 1]) * candidates[i]
+                if cost < best[k][i]:
+                    best[k][i], back[k][i] = cost, j
+    k = min(range(1, count + 1), key=lambda k: (best[k][n - 1], k))
+    ladder, i = [], n - 1
+    while i >= 0 and k >= 1:
+        ladder.append(candidates[i])
+        i, k = back[k][i], k - 1
+    return tuple(sorted(ladder))

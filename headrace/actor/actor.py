@@ -20,6 +20,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 from headrace.actor.cpu import TurnCpu
 from headrace.actor.episode import EpisodeResult, run_episode
@@ -27,7 +28,9 @@ from headrace.actor.policy import BatchedPolicy, WeightSync
 from headrace.buffer.admission import Admission, Heartbeat, wait_admit
 from headrace.buffer.base import Buffer, BufferFull
 from headrace.config import Config
+from headrace.engines.base import StoreLoading
 from headrace.env.base import Env
+from headrace.env.registry import task_seed_start
 from headrace.metrics.core import Metrics
 from headrace.model.sampler import Sampler
 from headrace.text.tokenizers import Tokenizer
@@ -59,8 +62,10 @@ def traced(group_id: str, rate: float) -> bool:
 class Actor:
     def __init__(self, config: Config, actor_id: str, make_env: Callable[[], Env],
                  tokenizer: Tokenizer, sampler: Sampler, buffer: Buffer, weights: WeightStore,
-                 metrics: Metrics, stop: threading.Event, admission: Admission | None = None):
+                 metrics: Metrics, stop: threading.Event, admission: Admission | None = None,
+                 loader: Callable[[dict], Any] | None = None):
         self.config = config
+        self.loader = loader  # published weights -> params (`WeightSync`); None: as they are
         self.admission = admission
         self.actor_id = actor_id
         self.make_env = make_env
@@ -70,8 +75,7 @@ class Actor:
         self.weights = weights
         self.metrics = metrics
         self.stop = stop
-        base = (config.run.seed * 1_000_003 + hash(actor_id) % 1_000_003) * 1_000_000
-        self._task_seeds = itertools.count(base)
+        self._task_seeds = itertools.count(task_seed_start(config.run.seed, actor_id))
         self._id_prefix = uuid.uuid4().hex[:16]  # ids stay unique across actor restarts
         self._group_numbers = itertools.count()
         self._sampling = {"temperature": config.sampling.temperature,
@@ -83,10 +87,20 @@ class Actor:
         self._p90, self._p90_at = None, float("-inf")  # episode-time p90 for admission, cached
         self._puts: asyncio.Semaphore | None = None
         self._started = time.monotonic()
+        self.discarded = 0  # environments abandoned to a timed-out call (`_replace`)
 
     def run(self) -> None:
-        """Acts until `stop` is set (blocking; run it in its own thread or process)."""
-        asyncio.run(self._main())
+        """Acts until `stop` is set (blocking; run it in its own thread or process).
+
+        Not `asyncio.run`: that joins the executor's threads, and an environment call that timed
+        out may never return (`discarded` counts them); the pool is let go without waiting.
+        """
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(self._main())
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
 
     async def _main(self) -> None:
         actor = self.config.actor
@@ -96,10 +110,19 @@ class Actor:
         asyncio.get_running_loop().set_default_executor(pool)
         self._admit_turn, self._puts = asyncio.Lock(), asyncio.Semaphore(MAX_PUTS)
         sync = self._sync = WeightSync(self.weights, self.sampler, self.metrics,
-                                       self.config.staleness.forced_lag)
-        while not sync.refresh(force=True):  # version 0 is published before actors start
-            if self.stop.wait(0.05):
+                                       self.config.staleness.forced_lag, loader=self.loader)
+        try:
+            if not await sync.wait_first(self.stop):  # version 0 is published before actors start
                 return
+            await self._act(sync)
+        finally:
+            sync.close()
+            if isinstance(self.sampler, StoreLoading):  # a server process (maybe still starting)
+                self.sampler.close()
+            pool.shutdown(wait=False, cancel_futures=True)  # a timed-out call may never return
+
+    async def _act(self, sync: WeightSync) -> None:
+        actor = self.config.actor
         if self.config.sampling.precompile:  # before the first episode: none compiles later
             start = time.perf_counter()
             count = await asyncio.to_thread(self.sampler.precompile)
@@ -107,11 +130,11 @@ class Actor:
                      time.perf_counter() - start)
         policy = BatchedPolicy(self.sampler, self.metrics, max_batch=actor.max_batch,
                                wait_s=actor.batch_wait_ms / 1e3, sync=sync)
-        envs = [self.make_env() for _ in range(actor.envs_per_actor)]
         g = actor.group_size
+        # Each slot's environments; a slot replaces one whose call timed out (`_replace`).
+        slots = [[self.make_env() for _ in range(g)] for _ in range(actor.envs_per_actor // g)]
         tasks = [asyncio.create_task(policy.serve())]
-        tasks += [asyncio.create_task(self._slot(envs[i:i + g], policy))
-                  for i in range(0, len(envs), g)]
+        tasks += [asyncio.create_task(self._slot(envs, policy)) for envs in slots]
         heartbeat = Heartbeat(self.admission, self.actor_id) if self.admission else None
         if heartbeat is not None:
             heartbeat.start()
@@ -131,9 +154,14 @@ class Actor:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for envs in slots:  # what an environment serves on this loop (a gateway) stops
+                for env in envs:
+                    if hasattr(env, "aclose"):
+                        await env.aclose()
             policy.close()
-            for env in envs:
-                env.close()
+            for envs in slots:
+                for env in envs:
+                    env.close()
 
     async def _slot(self, envs: list[Env], policy: BatchedPolicy) -> None:
         env_cfg = self.config.env
@@ -151,11 +179,15 @@ class Actor:
                     stamps["traced"] = 1.0
                 self._in_flight += 1
                 self.metrics.gauge("actor/in_flight", self._in_flight)
-                results = await asyncio.gather(*[
-                    run_episode(env, seed, policy, self.tokenizer, self.metrics,
-                                env_cfg.step_timeout_s, trace="traced" in stamps) for env in envs])
+                per_env = await asyncio.gather(*[
+                    self._episode(env, seed, policy, "traced" in stamps) for env in envs])
+                results = [result for played in per_env for result in played]
                 for result in results:
                     result.timings |= stamps
+                await self._replace(envs, per_env)
+                if not results:  # agents that made no call (headrace.gateway.runner)
+                    self.metrics.count("actor/empty_groups")
+                    continue
                 group = Group(group_id, task_id, [
                     to_trajectory(r, trajectory_id=f"{group_id}.{j}", group_id=group_id,
                                   task_id=task_id, env_name=env_cfg.name, actor_id=self.actor_id,
@@ -167,6 +199,34 @@ class Actor:
                 self._in_flight -= 1
                 if lease is not None:
                     self.admission.release(lease)
+
+    async def _episode(self, env: Env, seed: int, policy: BatchedPolicy,
+                       trace: bool) -> list[EpisodeResult]:
+        """One episode's results: one, or for an environment that runs whole agents (`play`,
+        `headrace.gateway.runner`) one per segment of the agent's session (maybe none)."""
+        play = getattr(env, "play", None)
+        if play is not None:
+            return await play(seed, policy, self.tokenizer, self.metrics, trace=trace)
+        env_cfg = self.config.env
+        return [await run_episode(env, seed, policy, self.tokenizer, self.metrics,
+                                  env_cfg.step_timeout_s, trace=trace,
+                                  reset_timeout_s=env_cfg.reset_timeout_s)]
+
+    async def _replace(self, envs: list[Env], per_env: list[list[EpisodeResult]]) -> None:
+        """Swaps each environment whose call timed out for a fresh one (`env/discarded`).
+
+        The old one is neither reused nor closed: its reset or step may still be running on a
+        thread, and neither may be assumed safe to call concurrently. It is left to that thread
+        (and the garbage collector) once the call returns.
+        """
+        for j, results in enumerate(per_env):
+            abandoned = [r for r in results if r.abandoned]
+            if abandoned:
+                envs[j] = await asyncio.to_thread(self.make_env)
+                self.discarded += 1
+                self.metrics.count("env/discarded")
+                log.warning("actor %s: an environment timed out (%s); replaced by a fresh one",
+                            self.actor_id, abandoned[0].error)
 
     async def _admit(self):
         """Waits for admission (DESIGN.md "Admission"); None when there is none, or on stop.
@@ -180,7 +240,9 @@ class Actor:
         start = time.monotonic()
 
         def weights_version() -> int:
-            self._sync.refresh()  # refused for old weights: newer ones may be out
+            # Refused for old weights: newer ones may be out. A failed load is the sampler
+            # thread's to raise (its batch fails), not this slot's.
+            self._sync.refresh(raise_error=False)
             return self.sampler.version
 
         def p90_episode_s() -> float | None:  # a quantile costs a sort: once a second is enough
@@ -205,6 +267,8 @@ class Actor:
         m.average_many("reward/mean", [r.reward for r in results])
         m.average_many("reward/success_rate", [float(r.success) for r in results])
         m.average_many("episode/length_mean", [r.builder.length for r in results])
+        m.count("actor/generated_tokens", sum(r.builder.generated for r in results))
+        m.gauge("actor/weights_version", max((r.builder.newest_version for r in results), default=-1))
         m.observe_many("actor/episode_s", [r.timings["finished"] - r.timings["started"]
                                            for r in results])
 

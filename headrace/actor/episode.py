@@ -1,9 +1,15 @@
 """One episode: reset, then policy turn / environment step until done, recorded as a trajectory.
 
 Failure modes, each ending the episode (never the actor) and counted: an exception from the
-environment (`env/errors`, status error), a step slower than `step_timeout_s` (`env/timeouts`,
-status error), a context too long for the sampler (`batch/truncated`, status truncated), an invalid
-action (`env/invalid_actions`; the environment ends the episode with reward 0).
+environment (`env/errors`, status error), a step slower than `step_timeout_s` or a reset slower
+than `reset_timeout_s` (`env/timeouts`, status error; the result says `abandoned`: the call may
+still run on its thread, so the caller must not use that environment again), a context too long
+for the sampler (`batch/truncated`, status truncated), an invalid action (`env/invalid_actions`;
+the environment ends the episode with reward 0), a Jinja chat template that raises on the
+conversation (`text/template_errors`, status error). Counted without ending the episode: turns a
+Jinja template cannot render incrementally (`text/render_mismatch`), control-token strings in
+observations kept as text (`text/escaped_specials`) and, when it has tools, the tool calls in each
+action (`text/tool_calls`) and malformed ones (`text/tool_call_errors`).
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ from headrace.env.base import Env
 from headrace.metrics.core import Metrics
 from headrace.model.sampler import PromptTooLong
 from headrace.text.episode import EpisodeBuilder
-from headrace.text.template import EpisodeRenderer
+from headrace.text.jinja_template import ChatTemplateError
+from headrace.text.template import make_renderer
 from headrace.text.tokenizers import Tokenizer
+from headrace.text.tools import parse_tool_calls
 from headrace.types import STATUS_ERROR, STATUS_OK, STATUS_TRUNCATED
 
 log = logging.getLogger(__name__)
@@ -33,6 +41,7 @@ class EpisodeResult:
     status: str
     error: str | None
     timings: dict[str, float]
+    abandoned: bool = False  # a timed-out call may still run on its thread: discard the env
 
 
 async def _step(env: Env, action: str):
@@ -61,27 +70,45 @@ def trace_timings(calls: list[tuple[float, float, float, int]],
 
 async def run_episode(env: Env, seed: int, policy: BatchedPolicy, tokenizer: Tokenizer,
                       metrics: Metrics, step_timeout_s: float,
-                      trace: bool = False) -> EpisodeResult:
+                      trace: bool = False, reset_timeout_s: float | None = None) -> EpisodeResult:
     """Plays one episode; with `trace`, its timings also hold every turn's stamps.
 
+    A blocking `reset` runs on a thread under `reset_timeout_s` (None: `step_timeout_s`).
+
     Turns are rendered with the chat template the tokenizer carries (`headrace.text.template`):
-    the sampler is given `renderer.prompt()` and its tokens are recorded verbatim.
+    the sampler is given `renderer.prompt()` and its tokens are recorded verbatim. Turns a Jinja
+    template cannot render incrementally are counted as `text/render_mismatch`.
     """
-    renderer = EpisodeRenderer(tokenizer)
+    renderer = make_renderer(tokenizer)
+    count_tools = bool(getattr(renderer.template, "tools", ()))  # a Jinja template with tools
     timings = {"started": time.time()}
     calls: list | None = [] if trace else None
+    abandoned = False
     steps: list[tuple[float, float]] = []
     reward, success, status, error = 0.0, False, STATUS_OK, None
     inline = not env.blocking and not env.has_astep
+    reset_timeout_s = step_timeout_s if reset_timeout_s is None else reset_timeout_s
+    what = "reset"  # the call a TimeoutError interrupted
     with policy.episode() as slot:
         try:
-            obs, _ = await asyncio.to_thread(env.reset, seed) if env.blocking else env.reset(seed)
+            if env.blocking:
+                async with asyncio.timeout(reset_timeout_s):
+                    obs, _ = await asyncio.to_thread(env.reset, seed)
+            else:
+                obs, _ = env.reset(seed)
+            what = "step"
             renderer.add_observation(obs, first=True)
             for _ in range(env.spec.max_turns):
                 tokens, logps, version = await policy.act(renderer.prompt(), calls, slot)
                 renderer.add_generated(tokens, logps, version)
                 start, started_at = time.perf_counter(), time.time()
                 action = tokenizer.decode(tokens)
+                if count_tools:  # malformed calls are counted; the environment judges the text
+                    tool_calls, tool_errors = parse_tool_calls(action)
+                    metrics.count("text/tool_calls", len(tool_calls))
+                    if tool_errors:
+                        metrics.count("text/tool_call_errors", len(tool_errors))
+                        log.debug("malformed tool call (seed %d): %s", seed, tool_errors[0])
                 if inline:  # microseconds of pure Python: nothing to wait for or time out
                     obs, r, terminated, truncated, info = env.step(action)
                 else:
@@ -106,8 +133,14 @@ async def run_episode(env: Env, seed: int, policy: BatchedPolicy, tokenizer: Tok
         except PromptTooLong as exc:
             status, error = STATUS_TRUNCATED, str(exc)
             metrics.count("batch/truncated")
+        except ChatTemplateError as exc:
+            status, error = STATUS_ERROR, str(exc)
+            metrics.count("text/template_errors")
+            log.warning("episode (seed %d): %s", seed, error)
         except TimeoutError:
-            status, error = STATUS_ERROR, f"environment step exceeded {step_timeout_s} s"
+            limit = reset_timeout_s if what == "reset" else step_timeout_s
+            status, error = STATUS_ERROR, f"environment {what} exceeded {limit} s"
+            abandoned = True
             metrics.count("env/timeouts")
         except asyncio.CancelledError:
             raise
@@ -115,7 +148,11 @@ async def run_episode(env: Env, seed: int, policy: BatchedPolicy, tokenizer: Tok
             status, error = STATUS_ERROR, f"{type(exc).__name__}: {exc}"
             metrics.count("env/errors")
             log.warning("episode (seed %d) failed: %s", seed, error)
+    if renderer.mismatches:  # turns the template cannot render incrementally (jinja_render)
+        metrics.count("text/render_mismatch", len(renderer.mismatches))
+    if getattr(renderer, "escaped", 0):  # control tokens in observations, kept as plain text
+        metrics.count("text/escaped_specials", renderer.escaped)
     timings["finished"] = time.time()
     if trace:
         timings |= trace_timings(calls, steps)
-    return EpisodeResult(renderer.builder, reward, success, status, error, timings)
+    return EpisodeResult(renderer.builder, reward, success, status, error, timings, abandoned)

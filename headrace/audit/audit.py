@@ -1,39 +1,43 @@
-"""`headrace audit CONFIG | RUN_DIR`: measure every stage, size the actor pool, name the bottleneck.
+"""The audit behind `headrace audit CONFIG | RUN_DIR`: every stage measured, the actor pool sized,
+the bottleneck named (the command, which runs the measurement and the probe, is
+`headrace.runtime.audit`).
 
 1. Measure: with a CONFIG, a short run (`--duration`) of the user's own pipeline with every group
    traced (`run.trace_rate` 1); with a RUN_DIR, the traces and metrics it already holds.
 2. Describe: per stage, the latency distribution (p50/p90/p99) and rate, from the traces
-   (`headrace.audit.traces`); the learner's consume capacity (groups per second of training); one
+   (`headrace.metrics.traces`); the learner's consume capacity (groups per second of training); one
    actor's produce rate; the inference cost curve (`fixed_s + per_row_s x rows`, a least-squares
    fit over the traced policy calls).
 3. Size: Little's law first — groups in flight = consume capacity x group latency (admission to
-   put) x headroom — then a simulation (`headrace.audit.simulate`, driven by the measured
+   put) x headroom — then a simulation (`headrace.sim.simulate`, driven by the measured
    distributions) of the candidate pools around it; the recommendation is the smallest pool whose
    predicted utilisation reaches the target with mean lag within `staleness.max_policy_lag`.
    An actor's core serves its policy calls (a fixed cost per call, a cost per row) and its
    turns' work outside them (event loop, environment steps, buffer puts: the measured CPU of
    those threads per turn); the simulation charges both to the actor's sampler, and
    environments per actor are capped where the rows alone would keep the core 90 % busy.
-   `with_probe` adds timed calls of up to `actor.max_batch` rows (`headrace.audit.probe`) to
-   the traced ones, since a small pool's calls show nothing of a large pool's.
+   `headrace.runtime.audit.with_probe` adds timed calls of up to `actor.max_batch` rows
+   (`headrace.audit.probe`) to the traced ones, since a small pool's calls show nothing of a
+   large pool's.
 4. Report: the bottleneck by name, a plot (PNG) of predicted utilisation and lag against the pool,
    and `audit.json` in the run folder.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import pathlib
-import sys
-from collections.abc import Sequence
 
 import numpy as np
 
-from headrace.audit import traces as traces_lib
-from headrace.audit.sim_spec import (
+from headrace.config import Config, ConfigError, load
+from headrace.metrics import traces as traces_lib
+from headrace.metrics.records import read_records
+from headrace.rundir import RunDir
+from headrace.sim.simulate import plot_sweep, simulate
+from headrace.sim.spec import (
     ActorSpec,
     BufferSpec,
     Dist,
@@ -43,12 +47,8 @@ from headrace.audit.sim_spec import (
     StalenessSpec,
     fixed,
 )
-from headrace.audit.simulate import plot_sweep, simulate
-from headrace.config import Config, ConfigError, load
 
 ACTOR_BUSY_MAX = 0.9  # an actor's core this busy is the pool's limit (rows per actor capped)
-AUDIT_FILE = "audit.json"
-PLOT_FILE = "audit.png"
 
 
 def warmup_allowance_s(precompile: bool) -> float:
@@ -108,11 +108,6 @@ class Measured:
         return float(np.mean(self.spans["generate"])) + self.put_s
 
 
-def _records(run_dir: pathlib.Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _without_outliers(calls: set[tuple[float, float, int]]) -> list[tuple[float, float, int]]:
     """Drops calls slower than q75 + 3 IQR of all calls (a sampler compiling a new shape)."""
     if len(calls) < 8:
@@ -130,15 +125,15 @@ def read_run(run_dir: str | pathlib.Path) -> Measured:
       ConfigError: the folder lacks a file the audit needs, or holds no complete trace.
     """
     run_dir = pathlib.Path(run_dir)
-    for name in ("config.yaml", traces_lib.TRACES_FILE, "metrics.jsonl"):
+    for name in (RunDir.CONFIG, RunDir.TRACES, RunDir.METRICS):
         if not (run_dir / name).exists():
             raise ConfigError(f"{run_dir}: no {name}; audit a run folder written by headrace "
                               f"train with run.trace_rate > 0, or give a CONFIG to measure")
-    config = load(run_dir / "config.yaml")
-    traces = [t for t in traces_lib.read_traces(run_dir / traces_lib.TRACES_FILE)
+    config = load(run_dir / RunDir.CONFIG)
+    traces = [t for t in traces_lib.read_traces(run_dir / RunDir.TRACES)
               if t["stages"].get("train_finished") is not None]
     if not traces:
-        raise ConfigError(f"{run_dir}/{traces_lib.TRACES_FILE}: no traced group was trained; "
+        raise ConfigError(f"{run_dir}/{RunDir.TRACES}: no traced group was trained; "
                           "run longer or raise run.trace_rate")
     spans: dict[str, list[float]] = {}
     for trace in traces:
@@ -149,7 +144,7 @@ def read_run(run_dir: str | pathlib.Path) -> Measured:
              if not t.get("compiled")}
     calls = _without_outliers(
         {(c[1], c[2], c[3]) for t in traces for e in t["episodes"] for c in e["inference"]})
-    records = _records(run_dir)
+    records = read_records(run_dir)
     trained = [r for r in records if r.get("learner/step", 0) >= 1]
     last = records[-1]
     window = trained[-1]["time"] - trained[0]["time"] if len(trained) > 1 else 0.0
@@ -186,19 +181,6 @@ def read_run(run_dir: str | pathlib.Path) -> Measured:
         learner_cpu_s=(last["learner/cpu_frac"] / last["learner/steps_per_s"]  # its own process
                        if config.run.launcher == "processes" and last.get("learner/cpu_frac")
                        and last.get("learner/steps_per_s") else 0.0))
-
-
-def with_probe(m: Measured) -> Measured:
-    """`m` with timed sampler calls up to `actor.max_batch` rows added to its traced calls, and
-    the turn-side CPU a policy call costs (`probe.split_turn_cpu` of the probe's actor)."""
-    from headrace.audit import probe
-
-    lengths = probe.context_lengths(m.episode_tokens, float(np.mean(m.turns)),
-                                    m.config.shapes.buckets[-1] - m.config.sampling.max_new_tokens)
-    probed = probe.probe(m.config, lengths)
-    _, per_call_s = probe.split_turn_cpu(probed.turns)
-    return dataclasses.replace(m, calls=np.vstack([m.calls, probed.calls]),
-                               probed=len(probed.calls), call_cpu_s=per_call_s)
 
 
 def fit_inference(calls: np.ndarray) -> tuple[float, float]:
@@ -432,26 +414,10 @@ def analyze(run_dir: str | pathlib.Path, *, target: float = 0.95, headroom: floa
                    "staleness_lag_mean": p["staleness_lag_mean"],
                    "staleness_lag_max": p["staleness_lag_max"], "drop_rate": p["drop_rate"]}
                   for p in rec["sweep"]]
-        plot_sweep(points, str(run_dir / PLOT_FILE), xlabel="environments in flight")
-        report["plot"] = str(run_dir / PLOT_FILE)
-    (run_dir / AUDIT_FILE).write_text(json.dumps(report, indent=1, default=float))
+        plot_sweep(points, str(run_dir / RunDir.AUDIT_PLOT), xlabel="environments in flight")
+        report["plot"] = str(run_dir / RunDir.AUDIT_PLOT)
+    (run_dir / RunDir.AUDIT).write_text(json.dumps(report, indent=1, default=float))
     return report
-
-
-def measure(config: Config, duration_s: float, live: bool = False) -> pathlib.Path:
-    """Runs the config's pipeline for `duration_s` from its first trained step (start-up may
-    take `warmup_allowance_s` more) with every group traced."""
-    from headrace.config import replace
-
-    warmup_s = warmup_allowance_s(config.sampling.precompile)
-
-    config = replace(config, run={"trace_rate": 1.0, "eval_every": 0, "max_steps": 0,
-                                  "log_every": 1, "max_train_s": duration_s,
-                                  "max_wall_s": duration_s + warmup_s, "stop_at_target": False})
-    from headrace.runtime import train
-
-    summary = train(config, live=live)
-    return pathlib.Path(summary["run_dir"])
 
 
 def format_report(report: dict) -> str:
@@ -483,50 +449,3 @@ def format_report(report: dict) -> str:
     if "plot" in report:
         lines.append(f"plot: {report['plot']}")
     return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="headrace audit", description=__doc__.splitlines()[0])
-    parser.add_argument("source", help="a CONFIG to measure, or a RUN_DIR to read")
-    parser.add_argument("--duration", type=float, default=60.0,
-                        help="seconds of measurement after start-up (CONFIG only)")
-    parser.add_argument("--target", type=float, default=0.95, help="learner utilisation to reach")
-    parser.add_argument("--headroom", type=float, default=1.2, help="Little's law safety factor")
-    parser.add_argument("--horizon", type=float, default=300.0,
-                        help="simulated seconds per candidate pool")
-    parser.add_argument("--admit-pool", action="store_true",
-                        help="size staleness.max_policy_lag and buffer.capacity to each candidate "
-                             "pool (the limit that admits it) instead of keeping the config's")
-    parser.add_argument("--no-probe", dest="probe", action="store_false",
-                        help="fit the policy-call cost to the traced calls alone (skips timing "
-                             "the sampler on calls of up to actor.max_batch rows)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    source = pathlib.Path(args.source)
-    if not source.exists():
-        print(f"headrace audit: error: {source} does not exist (give a CONFIG or a RUN_DIR)",
-              file=sys.stderr)
-        return 2
-    if not 0 < args.target <= 1 or args.headroom < 1 or args.duration <= 0:
-        print("headrace audit: error: --target must be in (0, 1], --headroom >= 1, "
-              "--duration > 0", file=sys.stderr)
-        return 2
-    try:
-        if source.is_dir():
-            run_dir = source
-        else:
-            run_dir = measure(load(source, args.set), args.duration)
-        m = read_run(run_dir)
-        report = analyze(run_dir, target=args.target, headroom=args.headroom,
-                         duration_s=args.horizon, admit_pool=args.admit_pool,
-                         measured=with_probe(m) if args.probe else m)
-    except ConfigError as error:
-        print(f"headrace audit: error: {error}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(report, default=float))
-        print(format_report(report), file=sys.stderr)
-    else:
-        print(format_report(report))
-    return 0

@@ -4,6 +4,7 @@ within the lag limit.
 The forecast. With the learner at version `v`, `s` steps since its last publish, `Q` groups ahead of
 the new one (the new one included), consumption in arrival order, `groups_per_batch` groups per
 learner step and a publish every `publish_every` steps, the new group is trained at
+(`headrace.versions.trained_at_version`, the one home of the formula)
 
     trained_at = v + floor((s + ceil(Q / groups_per_batch) - 1) / publish_every)
 
@@ -55,6 +56,7 @@ import uuid
 from collections.abc import Callable
 
 from headrace.config import Config
+from headrace.versions import batches_for, trained_at_version
 
 log = logging.getLogger(__name__)
 
@@ -153,18 +155,11 @@ class Lease:
     queued_ahead: int  # Q when admitted
 
 
-def trained_at_version(version: int, since_publish: int, queued_ahead: int,
-                       groups_per_batch: int, publish_every: int) -> int:
-    """The version a group is trained at with `queued_ahead` groups ahead (itself included)."""
-    batches = -(-queued_ahead // groups_per_batch)
-    return version + (since_publish + batches - 1) // publish_every
-
-
 def decide(state: LearnerState, depth: int, in_flight: int, limits: AdmissionLimits,
            weights_version: int, p90_episode_s: float | None) -> Forecast:
     """The admission rule as a pure function (the Redis script mirrors it; tests compare them)."""
     ahead = state.queued + depth + in_flight + 1
-    batches = -(-ahead // limits.groups_per_batch)
+    batches = batches_for(ahead, limits.groups_per_batch)
     trained_at = trained_at_version(state.version, state.since_publish, ahead,
                                     limits.groups_per_batch, limits.publish_every)
     wait_s = batches * state.step_s

@@ -45,6 +45,7 @@ from headrace.buffer.admission import (
 )
 from headrace.buffer.redis_stream import GROUP, call_with_retry, connect
 from headrace.config import Config
+from headrace.versions import TRAINED_AT_LUA
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -54,10 +55,12 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: learner, handled, leases, actor set, stream. ARGV: stream group, reserve ('1'|'0'), member,
-# ttl_ms, weights_version, p90 ('' unknown), groups_per_batch, publish_every, max_policy_lag,
-# max_age_s. Returns {reason, version, since_publish, queued, depth, in_flight, step_s}.
-_DECIDE = _NOW + """
+# KEYS: learner, handled, leases, actor set, stream(s) (every shard on this server). ARGV: stream
+# group, reserve ('1'|'0'), member, ttl_ms, weights_version, p90 ('' unknown), groups_per_batch,
+# publish_every, max_policy_lag, max_age_s, then depth and pending of shards on other servers
+# (read just before, outside the script).
+# Returns {reason, version, since_publish, queued, depth, in_flight, step_s}.
+_DECIDE = _NOW + TRAINED_AT_LUA + """
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 redis.call('ZREM', KEYS[3], ARGV[3])  -- this call's own, from an attempt whose reply was lost
 local in_flight = redis.call('ZCARD', KEYS[3])
@@ -66,17 +69,18 @@ local version, since = tonumber(learner[1] or '0'), tonumber(learner[2] or '0')
 local step_text = learner[3] or '0'
 local handled = 0
 for _, n in ipairs(redis.call('HVALS', KEYS[2])) do handled = handled + tonumber(n) end
-local depth, pending = 0, 0
-local summary = redis.pcall('XPENDING', KEYS[5], ARGV[1])
-if not (type(summary) == 'table' and summary.err) then
-  pending = summary[1]
-  depth = redis.call('XLEN', KEYS[5]) - pending
+local depth, pending = tonumber(ARGV[11] or '0'), tonumber(ARGV[12] or '0')
+for k = 5, #KEYS do
+  local summary = redis.pcall('XPENDING', KEYS[k], ARGV[1])
+  if not (type(summary) == 'table' and summary.err) then
+    pending = pending + summary[1]
+    depth = depth + redis.call('XLEN', KEYS[k]) - summary[1]
+  end
 end
 local queued = math.max(0, pending - handled)
 local ahead = queued + depth + in_flight + 1
-local per_batch, every = tonumber(ARGV[7]), tonumber(ARGV[8])
-local batches = math.floor((ahead + per_batch - 1) / per_batch)
-local trained_at = version + math.floor((since + batches - 1) / every)
+local trained_at, batches = forecast_trained_at(version, since, ahead, tonumber(ARGV[7]),
+                                               tonumber(ARGV[8]))
 local max_age = tonumber(ARGV[10])
 local reason = ''
 if trained_at - tonumber(ARGV[5]) > tonumber(ARGV[9]) then
@@ -143,6 +147,11 @@ class RedisAdmission(Admission):
       limits, lease_ttl_s: see `Admission`.
       run_id, shard: name the keys (the same as the run's `RedisBuffer`, whose stream's depth is
         counted).
+      local_shards: buffer shards whose streams live on this server (shards shard ..
+        shard + local_shards - 1, `buffer.shards`); their depth and pending are read inside the
+        decision script, atomically with the leases.
+      remote_counts: for shards on other servers (`buffer.urls`), a callable returning their
+        total (depth, pending), read just before each decision: a forecast, not atomic with it.
       password: Redis AUTH password (for a URL client).
       retry_s: how long a lost connection is retried before `AdmissionError`.
       socket_timeout_s: a reply slower than this counts as a lost connection.
@@ -152,8 +161,13 @@ class RedisAdmission(Admission):
 
     def __init__(self, client: str | redis.Redis, limits: AdmissionLimits, *, run_id: str,
                  shard: int = 0, lease_ttl_s: float = 30.0, password: str | None = None,
-                 retry_s: float = 30.0, socket_timeout_s: float = 10.0):
+                 retry_s: float = 30.0, socket_timeout_s: float = 10.0,
+                 local_shards: int = 1,
+                 remote_counts: Callable[[], tuple[int, int]] | None = None):
         super().__init__(limits, lease_ttl_s)
+        if local_shards < 1:
+            raise ValueError(f"local_shards={local_shards}: must be >= 1")
+        self._remote_counts = remote_counts
         if not run_id or not re.fullmatch(r"[\w.\-]+", run_id):
             raise ValueError(f"run_id={run_id!r}: use letters, digits, '_', '-', '.'")
         if shard < 0 or retry_s < 0 or socket_timeout_s <= 0:
@@ -168,6 +182,8 @@ class RedisAdmission(Admission):
             self._where, self._client = repr(client), client
         prefix = f"headrace:{{{run_id}:{shard}}}"
         self.stream_key = f"{prefix}:groups"
+        self.stream_keys = [f"headrace:{{{run_id}:{shard + i}}}:groups"
+                            for i in range(local_shards)]
         self.prefix = f"{prefix}:admission"
         self.learner_key, self.handled_key = f"{self.prefix}:learner", f"{self.prefix}:handled"
         self.leases_key = f"{self.prefix}:leases"
@@ -217,13 +233,14 @@ class RedisAdmission(Admission):
         member = new_lease_id(actor_id)
         p90 = "" if p90_episode_s is None else repr(float(p90_episode_s))
         lim = self.limits
+        remote = self._remote_counts() if self._remote_counts is not None else (0, 0)
         reply = self._call(
             "try_admit" if reserve else "forecast", self._lua["decide"],
             keys=[self.learner_key, self.handled_key, self.leases_key, self._actor_key(actor_id),
-                  self.stream_key],
+                  *self.stream_keys],
             args=[GROUP, "1" if reserve else "0", member, self._ttl_ms, int(weights_version), p90,
                   lim.groups_per_batch, lim.publish_every, lim.max_policy_lag,
-                  repr(float(lim.max_age_s))])
+                  repr(float(lim.max_age_s)), int(remote[0]), int(remote[1])])
         reason, version, since, queued, depth, in_flight, step_s = reply
         state = LearnerState(int(version), int(since), int(queued), float(_str(step_s)))
         return _str(reason), member, state, int(depth), int(in_flight)

@@ -2,7 +2,8 @@
 
 Entries are stored serialized, exactly as the Redis backend stores them, so serialization and
 quarantine are exercised the same way. Nothing survives the process: `restart_consumer()` stands in
-for a restarted learner (every pending entry becomes deliverable again).
+for a restarted learner (every pending entry becomes deliverable again). Quarantined entries stay
+in `quarantined` (id -> bytes, reason, message) for inspection.
 """
 
 from __future__ import annotations
@@ -10,14 +11,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Sequence
 
-from headrace.buffer.base import Buffer, BufferFull
+from headrace.buffer.base import Buffer, BufferFull, stats_record
 from headrace.buffer.serialize import MalformedEntry, decode, encode
 from headrace.metrics.core import Distribution, RateMeter
 from headrace.types import Entry, EntryId, Group
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -36,7 +40,8 @@ class MemoryBuffer(Buffer):
         self._pending: collections.OrderedDict[EntryId, _Pending] = collections.OrderedDict()
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
-        self.quarantine: dict[EntryId, bytes] = {}
+        self.quarantined: dict[EntryId, tuple[bytes, str, str]] = {}  # bytes, reason, message
+        self._reasons: collections.Counter[str] = collections.Counter()
         self._redelivered = 0
         self._put_blocked_s = 0.0
         self._put_ms = Distribution()
@@ -102,9 +107,9 @@ class MemoryBuffer(Buffer):
             while self._ready and len(entries) < room:
                 entry_id, (data, deliveries) = self._ready.popitem(last=False)
                 try:
-                    group = decode(data)
-                except MalformedEntry:
-                    self.quarantine[entry_id] = data
+                    group = decode(data)  # raises MalformedEntry only
+                except MalformedEntry as error:
+                    self._set_aside(entry_id, data, error.reason, str(error))
                     continue
                 deliveries += 1
                 self._redelivered += deliveries > 1
@@ -115,10 +120,25 @@ class MemoryBuffer(Buffer):
             self._cond.notify_all()
         return entries
 
+    def _set_aside(self, entry_id: EntryId, data: bytes, reason: str, message: str) -> None:
+        self.quarantined[entry_id] = (data, reason, message)
+        self._reasons[reason] += 1
+        log.warning("quarantined malformed entry %s (%s): %s", entry_id, reason, message)
+
+    def quarantine(self, entry_id: EntryId, reason: str, message: str) -> None:
+        with self._cond:
+            item = self._pending.pop(entry_id, None)
+            claimed = self._ready.pop(entry_id, None)  # claimed back after claim_idle_s
+            if item is not None or claimed is not None:
+                data = item.data if item is not None else claimed[0]
+                self._set_aside(entry_id, data, reason, message)
+            self._cond.notify_all()
+
     def ack(self, ids: Sequence[EntryId]) -> None:
         with self._cond:
             for entry_id in ids:
                 self._pending.pop(entry_id, None)
+                self._ready.pop(entry_id, None)  # claimed back after claim_idle_s: done with
             self._cond.notify_all()
 
     def restart_consumer(self) -> None:
@@ -145,17 +165,9 @@ class MemoryBuffer(Buffer):
 
     def stats(self) -> dict[str, float]:
         with self._cond:
-            put_p50, put_p99 = self._put_ms.quantiles((0.5, 0.99))
-            (get_p99,) = self._get_ms.quantiles((0.99,))
-            return {
-                "buffer/depth": len(self._ready),
-                "buffer/pending": len(self._pending),
-                "buffer/ingest_per_s": self._ingest.rate(),
-                "buffer/consume_per_s": self._consume.rate(),
-                "buffer/put_ms_p50": put_p50,
-                "buffer/put_ms_p99": put_p99,
-                "buffer/get_ms_p99": get_p99,
-                "buffer/put_blocked_s": self._put_blocked_s,
-                "buffer/redelivered": self._redelivered,
-                "buffer/quarantined": len(self.quarantine),
-            }
+            return stats_record(
+                depth=len(self._ready), pending=len(self._pending),
+                ingest_per_s=self._ingest.rate(), consume_per_s=self._consume.rate(),
+                put_ms=self._put_ms, get_ms=self._get_ms, put_blocked_s=self._put_blocked_s,
+                redelivered=self._redelivered, quarantined=len(self.quarantined),
+                reasons=self._reasons)

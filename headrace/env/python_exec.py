@@ -17,7 +17,9 @@ the hidden inputs or outputs); the episode continues until success or `max_turns
 truncated). An empty action, one over `max_code_bytes` or one with a NUL byte is an invalid action.
 
 Info keys of every graded step: success, passed, total, timeout, exit_code, signal, load_error,
-no_result, grader_tampered, memory_error, output_truncated, pids_limit_hit, sandbox_s.
+no_result, grader_tampered, memory_error, output_truncated, pids_limit_hit, memory_limit_hit
+(the whole sandbox reached its memory cgroup's limit; None where the host has no memory cgroup),
+sandbox_s.
 
 Failure modes: a host without the sandbox's mechanisms makes the constructor raise
 `SandboxUnavailable` (never run unconfined); a failure of the sandbox machinery raises
@@ -166,7 +168,8 @@ class PythonExec(Env):
       cases: hidden test cases per task.
       partial_credit: reward the passed fraction instead of all-or-nothing.
       tasks: names of the tasks to draw from (default: all of `TASKS`).
-      wall_s, memory_mb, max_procs: sandbox limits of one grading run.
+      wall_s, memory_mb, max_procs: sandbox limits of one grading run (the whole run's memory
+        is max(768, memory_mb + 256) MB).
       max_code_bytes: longer programs are invalid actions.
 
     Raises:
@@ -189,7 +192,9 @@ class PythonExec(Env):
         self.spec = EnvSpec(vocabulary=None, action_words=None, max_turns=max_turns)
         try:
             limits = SandboxLimits(wall_s=wall_s, cpu_s=max(1, int(wall_s + 0.999)),
-                                   memory_mb=memory_mb, max_procs=max_procs)
+                                   memory_mb=memory_mb, max_procs=max_procs,
+                                   # the whole run: one process's address space plus room
+                                   total_memory_mb=max(768, memory_mb + 256))
         except ValueError as error:
             raise EnvError(f"python_exec: {error}") from None
         self.sandbox = Sandbox(limits)
@@ -244,10 +249,10 @@ class PythonExec(Env):
             "exit_code": result.exit_code, "signal": result.signal, "load_error": None,
             "no_result": False, "grader_tampered": False, "memory_error": False,
             "output_truncated": result.output_truncated, "pids_limit_hit": result.pids_limit_hit,
-            "sandbox_s": round(result.wall_s, 4),
+            "memory_limit_hit": result.memory_limit_hit, "sandbox_s": round(result.wall_s, 4),
         }
         stderr = result.stderr.decode(errors="replace")
-        info["memory_error"] = "MemoryError" in stderr
+        info["memory_error"] = "MemoryError" in stderr or bool(result.memory_limit_hit)
         lines = [line for line in result.stdout.decode(errors="replace").split("\n")
                  if line.startswith(RESULT_MARKER)]
         if result.timed_out:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import time
 
 from headrace.config import StalenessConfig
-from headrace.metrics.core import Metrics
+from headrace.metrics.core import MAX, Metrics, declare
 from headrace.types import Group
 
 DROP_LAG = "lag"
 DROP_AGE = "age"
+# The learner's staleness gauges: the largest lag of a trained batch is the worst process's.
+LAG_MAX = declare("staleness/lag_max", MAX)
 
 
 class StalenessGate:

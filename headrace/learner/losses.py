@@ -68,16 +68,16 @@ def sequence_prefix(values_bt, segment_ids_bt, on_bt):
     return earlier + values_bt
 
 
-def no_correction(logp, behaviour, adv, config: LossConfig, prox=None, level=_token):
+def no_correction(logp, behaviour, adv, config: LossConfig, prox=None, level=_token, on=None):
     """REINFORCE with a baseline (Williams 1992): ignores that the data may be off-policy."""
-    del behaviour, config, prox, level
+    del behaviour, config, prox, level, on
     return -adv * logp, jnp.zeros_like(logp, dtype=bool)
 
 
-def truncated_is(logp, behaviour, adv, config: LossConfig, prox=None, level=_token):
+def truncated_is(logp, behaviour, adv, config: LossConfig, prox=None, level=_token, on=None):
     """Truncated importance weights min(rho, rho_max), stop-gradient (IMPALA, Espeholt et al. 2018;
     TIS as used for LLM RL, Yao et al. 2025)."""
-    del prox
+    del prox, on
     rho = jnp.exp(level(logp - behaviour))
     weight = jax.lax.stop_gradient(jnp.minimum(rho, config.rho_max))
     return -weight * adv * logp, rho > config.rho_max
@@ -92,25 +92,89 @@ def _clipped_surrogate(ratio, adv, config: LossConfig):
     return surrogate, clipped < unclipped
 
 
-def ppo_clip(logp, behaviour, adv, config: LossConfig, prox=None, level=_token):
+def ppo_clip(logp, behaviour, adv, config: LossConfig, prox=None, level=_token, on=None):
     """PPO clipped ratio against the behaviour policy (Schulman et al. 2017), with the dual clip for
     negative advantages (Ye et al. 2020)."""
-    del prox
+    del prox, on
     surrogate, clipped = _clipped_surrogate(jnp.exp(level(logp - behaviour)), adv, config)
     return -surrogate, clipped
 
 
-def decoupled(logp, behaviour, adv, config: LossConfig, prox=None, level=_token):
+def decoupled(logp, behaviour, adv, config: LossConfig, prox=None, level=_token, on=None):
     """Decoupled PPO (Hilton et al. 2022; AReaL, Fu et al. 2025): the trust region is around a
     proximal policy `prox` (the learner's weights at the start of the step); the behaviour ->
     proximal mismatch is corrected by a truncated, stop-gradient importance weight."""
+    del on
     weight = jax.lax.stop_gradient(jnp.minimum(jnp.exp(level(prox - behaviour)), config.rho_max))
     surrogate, clipped = _clipped_surrogate(jnp.exp(level(logp - prox)), adv, config)
     return -weight * surrogate, clipped
 
 
+def dppo_mask(logp, behaviour, adv, config: LossConfig, prox=None, level=_token, on=None):
+    """Masked importance sampling with a divergence trust region (DPPO, Binary-TV variant: Qi et
+    al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879; the
+    ratio mask as in prime-rl's loss, Prime Intellect 2025).
+
+    A token is masked (no gradient at all, rather than a clipped one) when its ratio
+    rho = pi / mu against the behaviour policy leaves [mask_low, mask_high], or when the update
+    would push it further out of the total-variation trust region in its advantage's direction:
+    A > 0 and pi - mu > tv_delta, or A < 0 and mu - pi > tv_delta (pi, mu: the token's
+    probabilities). Kept tokens get -sg(rho) * A * log pi, whose gradient is that of PPO's
+    unclipped surrogate rho * A. `level` maps the log-ratio for the ratio mask and the weight;
+    the TV test is per token.
+    """
+    del prox, on
+    log_ratio = logp - behaviour
+    rho = jax.lax.stop_gradient(jnp.exp(level(log_ratio)))
+    gap = jax.lax.stop_gradient(jnp.exp(logp) - jnp.exp(behaviour))  # pi - mu of the token
+    out_ratio = (rho < config.mask_low) | (rho > config.mask_high)
+    out_tv = ((adv > 0) & (gap > config.tv_delta)) | ((adv < 0) & (-gap > config.tv_delta))
+    masked = out_ratio | out_tv
+    return jnp.where(masked, 0.0, -rho * adv * logp), masked
+
+
+def second_moment_mask(log_ratio, on, tau: float):
+    """M2PO's mask (Zheng et al. 2025, "Prosperity before Collapse: How Far Can Off-Policy RL
+    Reach with Stale Data on LLMs?", arXiv 2510.01161): drop the tokens with the largest squared
+    log-ratio until the second moment M2 = mean((log rho)^2) over the kept loss tokens (`on`) is
+    at most `tau`. Returns bool masked (True: dropped; tokens off `on` are never counted as kept).
+
+    The kept set is the k smallest (log rho)^2 for the largest k whose mean is <= tau (prefix
+    means of sorted values never decrease, so that is what dropping the largest first leaves);
+    ties are broken by position. No gradient flows through the mask.
+    """
+    sq = jax.lax.stop_gradient(jnp.square(log_ratio)).reshape(-1)
+    on_flat = on.reshape(-1)
+    key = jnp.where(on_flat, sq, jnp.inf)
+    order = jnp.argsort(key, stable=True)
+    sorted_sq = key[order]
+    counts = jnp.arange(1, sq.shape[0] + 1, dtype=sq.dtype)
+    prefix_mean = jnp.cumsum(jnp.where(jnp.isfinite(sorted_sq), sorted_sq, 0.0)) / counts
+    valid = jnp.isfinite(sorted_sq) & (prefix_mean <= tau)
+    keep_count = jnp.sum(valid)  # valid is a prefix: the means rise along the sorted order
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
+    kept = on_flat & (rank < keep_count)
+    return ~kept.reshape(on.shape)
+
+
+def m2po(logp, behaviour, adv, config: LossConfig, prox=None, level=_token, on=None):
+    """M2PO (Zheng et al. 2025, arXiv 2510.01161): the unclipped surrogate rho * A on the tokens
+    that `second_moment_mask` keeps, so the second moment of the log-ratios of what is trained
+    stays under `m2_tau` however stale the data; no ratio clipping. The mask is taken over the
+    loss tokens (`on`; all tokens when None) of what the function sees: one microbatch, which is
+    the paper's minibatch when the minibatch is one microbatch (`learner.token_budget` 0). Under
+    a sharded learner (`parallel.mesh` with data x fsdp > 1) it sees one device's rows, so the
+    mask is per device's share of the microbatch and the update differs from the single-device
+    one (dppo_mask, per token, does not)."""
+    del prox
+    log_ratio = level(logp - behaviour)
+    on = jnp.ones_like(logp, dtype=bool) if on is None else on
+    masked = second_moment_mask(log_ratio, on, config.m2_tau)
+    return jnp.where(masked, 0.0, -jnp.exp(log_ratio) * adv), masked
+
+
 LOSSES = {"none": no_correction, "truncated_is": truncated_is, "ppo_clip": ppo_clip,
-          "decoupled": decoupled}
+          "decoupled": decoupled, "dppo_mask": dppo_mask, "m2po": m2po}
 
 
 def kl_to_reference(logp, ref_logp):

@@ -10,7 +10,10 @@ microbatch shapes and broadcast the plan. Three layouts share one output type:
   is opened with all its rows, so later (shorter) trajectories fill those rows before another
   microbatch opens. With fixed rows every microbatch has a policy shape (at most one compiled
   program per bucket) and about `token_budget` slots, so padding is at most the unfilled rest of
-  the last microbatch plus row fragmentation.
+  the last microbatch plus row fragmentation. With `shapes.tail_splits` a microbatch then takes
+  the fewest of its bucket's row counts (`ShapePolicy.tail_rows`) that hold the rows it uses, so
+  a partly filled last microbatch costs a fraction of the budget (rows fill in order: the used
+  rows are a prefix, no placement moves).
 - `pad_to_max` (baseline): one trajectory per row, every row the largest bucket.
 - `per_length` (baseline): one trajectory per row, in arrival order, rows padded to the
   minibatch's own longest length (not a bucket); the last microbatch has just the rows it needs,
@@ -105,7 +108,19 @@ def bucketed(lengths: Sequence[int], policy: ShapePolicy) -> list[MicrobatchPlan
         placed[mb].append(Placement(item, row, widths[mb] - room, n))
         if room > n:
             bisect.insort(free, (room - n, mb, row))
-    return [MicrobatchPlan(r, w, tuple(p)) for r, w, p in zip(rows, widths, placed)]
+    return [_trimmed(w, p, policy) for w, p in zip(widths, placed)]
+
+
+def _trimmed(width: int, placements: list[Placement], policy: ShapePolicy) -> MicrobatchPlan:
+    """A microbatch of `width` with the fewest of its bucket's row counts that hold the rows
+    `placements` use (the full count unless `policy.tail_splits`), rows renumbered in order."""
+    used = sorted({p.row for p in placements})
+    rows = policy.rows_holding(width, len(used))
+    if len(used) == rows or used[-1] < rows:  # nothing to renumber
+        return MicrobatchPlan(rows, width, tuple(placements))
+    new = {row: k for k, row in enumerate(used)}
+    return MicrobatchPlan(rows, width, tuple(dataclasses.replace(p, row=new[p.row])
+                                             for p in placements))
 
 
 def _one_microbatch(lengths: Sequence[int], policy: ShapePolicy) -> MicrobatchPlan:

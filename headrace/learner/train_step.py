@@ -18,6 +18,31 @@ over all of the step's loss tokens.
 
 The decoupled loss evaluates its proximal policy with the weights at the start of the step (kept
 in the accumulator while the step's updates run).
+
+Non-finite updates are skipped inside the program: an update whose minibatch loss (any of its
+microbatches) or gradient norm is NaN or infinite leaves the parameters, the optimizer state and
+the update count exactly as they were (a `lax.cond` on that finite flag, so nothing of it reaches
+the published weights), and is counted in the step's `learner/skipped_nonfinite` metric, which
+comes to the host with the others (no extra sync). The learner loop counts it and stops the run
+after `learner.max_nonfinite_steps` consecutive steps with a skipped update (`NonFiniteSteps`).
+The single-device and the sharded step share this program (`microbatch_program`).
+
+Master weights (`learner.master_dtype`, float32 by default): the state's parameters, the optimizer
+state and the gradient accumulator are kept in the master dtype; each microbatch's forward and
+backward pass runs on a copy cast to the model's compute dtype (`model.dtype`), and its gradient is
+cast back to the master dtype before it is added up, so a bfloat16 model is updated in float32
+(an update smaller than half a bfloat16 ulp of a weight is kept, not rounded away). The reference
+policy (KL) and the decoupled loss's proximal weights are kept in the compute dtype. Published
+weights are the master cast to the compute dtype (`compute_params`).
+
+LoRA (`model.lora`, `TrainStep(lora=spec)`): the state's params are the adapters; the model's
+weights are a frozen base handed to every microbatch program as an extra, undonated argument
+(`freeze`), and the forward pass applies the adapters on the fly, so the gradient (and the
+optimizer state, the accumulator, the norms) covers the adapters alone.
+
+Rematerialisation (`model.remat: block`): each transformer block runs under `jax.checkpoint`, so
+only its input is kept for the backward pass (the block is recomputed there); `none` keeps every
+intermediate. The same switch for the single-device and the sharded step.
 """
 
 from __future__ import annotations
@@ -34,8 +59,9 @@ import optax
 from headrace.config import LearnerConfig, OptimizerConfig
 from headrace.learner import losses
 from headrace.learner.batching import TRAIN_FIELDS, Batch
+from headrace.metrics.core import MAX, declare
 from headrace.model import params as params_lib
-from headrace.model.transformer import segment_mask
+from headrace.model.transformer import LOCAL, Layout, ModelDims, forward, segment_mask
 
 
 class TrainState(NamedTuple):
@@ -51,6 +77,15 @@ class Accum(NamedTuple):
     grads: Any
     sums: dict[str, jax.Array]  # weighted loss parts and IS sums over the step so far
     anchor: Any = None  # params at the start of the step (decoupled loss only)
+    finite: Any = None  # bool[]: every loss of the current minibatch so far was finite
+
+
+class NonFiniteSteps(RuntimeError):
+    """Too many consecutive learner steps had a non-finite loss or gradient norm."""
+
+
+SKIPPED = "learner/skipped_nonfinite"  # updates skipped for a non-finite loss or gradient norm
+RATIO_MAX = declare("is/ratio_max", MAX)  # the largest importance ratio: max, not sum or mean
 
 
 def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
@@ -66,14 +101,55 @@ def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
     return optax.chain(*chain)
 
 
-def init_state(params, optimizer: optax.GradientTransformation, kl_coef: float) -> TrainState:
+def cast_floating(tree: Any, dtype) -> Any:
+    """`tree` with its floating-point leaves cast to `dtype` (None: as it is); others unchanged.
+    A leaf already of `dtype` is returned as it is (no copy)."""
+    if tree is None or dtype is None:
+        return tree
+    dtype = jnp.dtype(dtype)
+
+    def one(x):
+        if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(one, tree)
+
+
+def compute_params(params: Any, dims: ModelDims) -> Any:
+    """The weights the model runs with (and the learner publishes): `params` (the master copy)
+    cast to the model's compute dtype `dims.dtype`."""
+    return cast_floating(params, dims.dtype)
+
+
+def init_state(params, optimizer: optax.GradientTransformation, kl_coef: float,
+               master_dtype: str | None = "float32") -> TrainState:
+    """A fresh state: the parameters cast to `master_dtype` (None: kept as they are), the
+    optimizer state initialised on them (so in the same dtype), and the reference policy (with a
+    KL term) a copy of `params` in their own (compute) dtype."""
     ref = jax.tree.map(jnp.copy, params) if kl_coef else None
-    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), ref)
+    master = cast_floating(params, master_dtype)
+    if master is params:
+        master = jax.tree.map(jnp.copy, params) if ref is None else params
+    return TrainState(jnp.zeros((), jnp.int32), master, optimizer.init(master), ref)
 
 
-def _logprobs(graphdef, params, mb, temperature, allowed_v):
-    model = params_lib.merge(graphdef, params)
-    logits_blv, _ = model(mb["tokens"], mb["positions"], segment_mask(mb["segment_ids"]))
+def _logprobs(graphdef, params, mb, temperature, allowed_v, layout: Layout = LOCAL,
+              frozen=None, lora_scale: float = 1.0):
+    """(log-prob, entropy) [b, t-1] of each next token; `graphdef` (or the model's `ModelDims`)
+    says the model, `layout` whether its blocks are rematerialised. With `frozen` (LoRA: the
+    fixed base weights) `params` are the adapters, applied on the fly with `lora_scale`."""
+    if frozen is not None:
+        dims = (graphdef if isinstance(graphdef, ModelDims)
+                else params_lib.merge(graphdef, frozen).dims)
+        logits_blv, _ = forward(dims, frozen, mb["tokens"], mb["positions"],
+                                segment_mask(mb["segment_ids"]), layout=layout, adapters=params,
+                                lora_scale=lora_scale)
+        return losses.token_logprobs(logits_blv[:, :-1], mb["tokens"][:, 1:], temperature,
+                                     allowed_v)
+    dims = graphdef if isinstance(graphdef, ModelDims) else params_lib.merge(graphdef, params).dims
+    logits_blv, _ = forward(dims, params, mb["tokens"], mb["positions"],
+                            segment_mask(mb["segment_ids"]), layout=layout)
     return losses.token_logprobs(logits_blv[:, :-1], mb["tokens"][:, 1:], temperature, allowed_v)
 
 
@@ -100,7 +176,7 @@ def loss_terms(logp, entropy, mb, config: LearnerConfig, prox_logp=None, ref_log
         fn = losses.sequence_mean if config.loss.level == "sequence" else losses.sequence_prefix
         level = functools.partial(fn, segment_ids_bt=mb["segment_ids"][:, 1:], on_bt=weight > 0)
     per_token, clipped = policy_loss(logp, behaviour, adv, config.loss, prox=prox_logp,
-                                     **({"level": level} if level else {}))
+                                     on=weight > 0, **({"level": level} if level else {}))
     pg_loss = jnp.sum(per_token * weight)
     entropy_mean = jnp.sum(entropy * weight)
     total = pg_loss - config.entropy_coef * entropy_mean
@@ -116,38 +192,47 @@ def loss_terms(logp, entropy, mb, config: LearnerConfig, prox_logp=None, ref_log
 
 
 def make_loss_fn(graphdef, config: LearnerConfig, temperature: float,
-                 allowed_v: np.ndarray | None = None) -> Callable:
-    """loss(params, microbatch, prox_logp, ref_params) -> (scalar, sums) for one microbatch.
+                 allowed_v: np.ndarray | None = None, layout: Layout = LOCAL,
+                 lora_scale: float = 1.0) -> Callable:
+    """loss(params, microbatch, prox_logp, ref_params, frozen=None) -> (scalar, sums) for one
+    microbatch (with `frozen`, LoRA: `params` and `ref_params` are adapters over that base).
 
     `allowed_v` is the sampler's action constraint (bool[vocab]) when decoding is constrained: the
     learner evaluates the same restricted distribution the actors sampled from.
     """
 
-    def loss_fn(params, mb, prox_logp, ref_params):
-        logp, entropy = _logprobs(graphdef, params, mb, temperature, allowed_v)
+    def loss_fn(params, mb, prox_logp, ref_params, frozen=None):
+        lp = functools.partial(_logprobs, graphdef, mb=mb, temperature=temperature,
+                               allowed_v=allowed_v, layout=layout, frozen=frozen,
+                               lora_scale=lora_scale)
+        logp, entropy = lp(params)
         ref_logp = None
         if ref_params is not None:
-            ref_logp = _logprobs(graphdef, ref_params, mb, temperature, allowed_v)[0]
+            ref_logp = lp(ref_params)[0]
         return loss_terms(logp, entropy, mb, config, prox_logp, ref_logp)
 
     return loss_fn
 
 
 SUM_KEYS = ("loss/pg", "loss/entropy", "is/clipped_frac", "loss/total", "is/n", "is/rho",
-            "is/rho2", "is/ratio_max", "learner/grad_norm", "learner/update_norm")
+            "is/rho2", "is/ratio_max", "learner/grad_norm", "learner/update_norm", SKIPPED)
 
 
-def zero_accum(state: TrainState, decoupled: bool) -> Accum:
-    """The accumulator between steps: zero gradients and sums (and anchor, for `decoupled`)."""
+def zero_accum(state: TrainState, decoupled: bool, compute_dtype=None) -> Accum:
+    """The accumulator between steps: zero gradients (in the master dtype) and sums (and the
+    anchor, for `decoupled`, in `compute_dtype`: None, the master's)."""
     keys = SUM_KEYS + (("loss/kl",) if state.ref_params is not None else ())
+    anchor = cast_floating(jax.tree.map(jnp.zeros_like, state.params), compute_dtype)
     return Accum(jax.tree.map(jnp.zeros_like, state.params),
                  {k: jnp.zeros((), jnp.float32) for k in keys},
-                 jax.tree.map(jnp.zeros_like, state.params) if decoupled else None)
+                 anchor if decoupled else None,
+                 jnp.ones((), jnp.bool_))
 
 
 def finish_sums(sums: dict[str, jax.Array], per_update: jax.Array) -> dict[str, jax.Array]:
     """Step metrics from the sums: loss parts and norms averaged over updates, IS over tokens."""
-    out = {k: v * per_update for k, v in sums.items() if not k.startswith("is/")}
+    out = {k: v * per_update for k, v in sums.items() if not k.startswith("is/") and k != SKIPPED}
+    out[SKIPPED] = sums[SKIPPED]  # a count over the step, not a mean
     n = jnp.maximum(sums["is/n"], 1.0)
     out["is/clipped_frac"] = sums["is/clipped_frac"] * per_update
     out["is/ratio_mean"] = sums["is/rho"] / n
@@ -157,42 +242,62 @@ def finish_sums(sums: dict[str, jax.Array], per_update: jax.Array) -> dict[str, 
 
 
 def microbatch_program(grads_and_sums: Callable, optimizer: optax.GradientTransformation,
-                       decoupled: bool) -> Callable:
-    """The program of one microbatch, around `grads_and_sums(params, mb, anchor, ref_params) ->
-    (grads, sums)`: accumulate the gradient and the sums; on a minibatch's last microbatch apply one
-    optimizer update and clear the accumulator (a `lax.cond`, so no extra compilation). The same
-    for every way of computing the gradient (one device, or a mesh)."""
+                       decoupled: bool, compute_dtype=None) -> Callable:
+    """The program of one microbatch, around `grads_and_sums(params, mb, anchor, ref_params
+    [, frozen]) -> (grads, sums)` (`frozen`: LoRA's fixed base, an argument of the program that
+    is never donated nor updated): accumulate the gradient and the sums; on a minibatch's last
+    microbatch apply one optimizer update and clear the accumulator (a `lax.cond`, so no extra
+    compilation); an update whose minibatch loss or gradient norm is not finite is skipped (see
+    the module docstring). The same for every way of computing the gradient (one device, or a mesh).
+
+    `grads_and_sums` sees the parameters cast to `compute_dtype` (None: the master's own); its
+    gradient is cast back to the master dtype before it is accumulated."""
 
     def program(carry: tuple[TrainState, Accum], mb: dict[str, jax.Array], first: jax.Array,
-                last: jax.Array, per_update: jax.Array):
+                last: jax.Array, per_update: jax.Array, *frozen):
         state, acc = carry
         # A step's first microbatch starts from zeroed sums (grads are zeroed by each update).
         sums = jax.tree.map(lambda s: jnp.where(first, jnp.zeros_like(s), s), acc.sums)
         anchor = None
         if decoupled:  # proximal policy: the weights at the start of this step
-            anchor = jax.lax.cond(first, lambda: state.params, lambda: acc.anchor)
-        grads, new = grads_and_sums(state.params, mb, anchor, state.ref_params)
-        grads = jax.tree.map(jnp.add, acc.grads, grads)
-        sums = {k: (jnp.maximum if k == "is/ratio_max" else jnp.add)(v, new[k])
+            anchor = jax.lax.cond(first, lambda: cast_floating(state.params, compute_dtype),
+                                  lambda: acc.anchor)
+        grads, new = grads_and_sums(cast_floating(state.params, compute_dtype), mb, anchor,
+                                    state.ref_params, *frozen)
+        grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc.grads, grads)
+        sums = {k: (jnp.maximum if k == RATIO_MAX else jnp.add)(v, new[k])
                 if k in new else v for k, v in sums.items()}
+        # A minibatch's first microbatch follows an update (or starts the step): flag reset.
+        finite = jnp.where(first, True, acc.finite) & jnp.isfinite(new["loss/total"])
 
         def update(_):  # on the global (possibly sharded) arrays: norms and clipping are global
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            norms = (optax.tree.norm(grads), optax.tree.norm(updates))
-            return (TrainState(state.step + 1, params, opt_state, state.ref_params),
-                    jax.tree.map(jnp.zeros_like, grads), norms)
+            grad_norm = optax.tree.norm(grads)
+
+            def apply(_):
+                updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+                params = optax.apply_updates(state.params, updates)
+                return (TrainState(state.step + 1, params, opt_state, state.ref_params),
+                        optax.tree.norm(updates))
+
+            def skip(_):  # parameters, optimizer state and update count exactly as they were
+                return state, jnp.zeros((), jnp.float32)
+
+            ok = finite & jnp.isfinite(grad_norm)
+            new_state, update_norm = jax.lax.cond(ok, apply, skip, None)
+            return (new_state, jax.tree.map(jnp.zeros_like, grads),
+                    (grad_norm, update_norm, 1.0 - ok.astype(jnp.float32)))
 
         def keep(_):
             zero = jnp.zeros((), jnp.float32)
-            return state, grads, (zero, zero)
+            return state, grads, (zero, zero, zero)
 
-        state, grads, (grad_norm, update_norm) = jax.lax.cond(last, update, keep, None)
+        state, grads, (grad_norm, update_norm, skipped) = jax.lax.cond(last, update, keep, None)
         sums["learner/grad_norm"] = sums["learner/grad_norm"] + grad_norm
         sums["learner/update_norm"] = sums["learner/update_norm"] + update_norm
+        sums[SKIPPED] = sums[SKIPPED] + skipped
         metrics = finish_sums(sums, per_update)
         metrics["learner/param_norm"] = optax.tree.norm(state.params)
-        return (state, Accum(grads, sums, anchor)), metrics
+        return (state, Accum(grads, sums, anchor, jnp.where(last, True, finite))), metrics
 
     return program
 
@@ -203,14 +308,19 @@ class TrainStep:
     Donates `state` (its buffers are reused). Each microbatch call is dispatched without waiting
     (no host sync here); the returned metrics are device arrays, ready once the step has run.
     Not thread-safe: one step at a time. Subclasses change where the arrays live (`_placed`,
-    `_put`) and how the program is built (`_compile`); `parallel.step.ShardedTrainStep` is one.
+    `_put`) and how the program is built (`_compile`); `learner.sharded_step.ShardedTrainStep` is one.
     """
 
     name = "train_step"  # the jitted program's name (`compiles("train_step")` counts it)
 
     def __init__(self, graphdef, config: LearnerConfig, temperature: float,
-                 optimizer: optax.GradientTransformation, allowed_v: np.ndarray | None = None):
+                 optimizer: optax.GradientTransformation, allowed_v: np.ndarray | None = None,
+                 *, remat: bool = False, dims: ModelDims | None = None, lora=None):
         self.graphdef = graphdef
+        self.lora = lora  # `model.lora.LoraSpec`: the state's params are adapters over `frozen`
+        self.frozen = None  # LoRA: the fixed base weights in the compute dtype (`freeze`)
+        self.remat = remat  # `model.remat: block`: each block under jax.checkpoint
+        self.dims = dims  # default: read from the model on the first call
         self.config = config
         self.temperature = temperature
         self.optimizer = optimizer
@@ -219,17 +329,32 @@ class TrainStep:
         self._step = None
         self._acc: Accum | None = None
 
-    def grads_and_sums(self, params, mb, anchor, ref_params):
-        """(gradient, sums) of one microbatch on one device."""
-        loss_fn = make_loss_fn(self.graphdef, self.config, self.temperature, self.allowed_v)
+    def freeze(self, base) -> None:
+        """LoRA: `base` (the model's weights, compute dtype, on device) is the fixed model the
+        state's adapters apply to; it is an argument of every step, never updated."""
+        self.frozen = base
+
+    def grads_and_sums(self, params, mb, anchor, ref_params, frozen=None):
+        """(gradient, sums) of one microbatch on one device (with `frozen`: the gradient of the
+        adapters `params` only; none is formed for the base)."""
+        layout = Layout(remat=self.remat)
+        scale = self.lora.scale if self.lora is not None else 1.0
+        loss_fn = make_loss_fn(self.dims, self.config, self.temperature, self.allowed_v, layout,
+                               scale)
         prox = None
         if anchor is not None:
             prox = jax.lax.stop_gradient(
-                _logprobs(self.graphdef, anchor, mb, self.temperature, self.allowed_v)[0])
-        return jax.grad(loss_fn, has_aux=True)(params, mb, prox, ref_params)
+                _logprobs(self.dims, anchor, mb, self.temperature, self.allowed_v, layout,
+                          frozen, scale)[0])
+        return jax.grad(loss_fn, has_aux=True)(params, mb, prox, ref_params, frozen)
+
+    def _extra(self) -> tuple:
+        """The program's arguments after the microbatch's: the frozen base under LoRA."""
+        return () if self.lora is None else (self.frozen,)
 
     def _program(self) -> Callable:
-        program = microbatch_program(self.grads_and_sums, self.optimizer, self.decoupled)
+        program = microbatch_program(self.grads_and_sums, self.optimizer, self.decoupled,
+                                     self.dims.dtype)
         program.__name__ = program.__qualname__ = self.name
         return program
 
@@ -259,18 +384,15 @@ class TrainStep:
             return state, {}
         arrays = [self._put({k: mb.arrays[k] for k in TRAIN_FIELDS}) for mb in batch.microbatches]
         state = self._placed(state)
-        if self._acc is None:
-            self._acc = self._placed_accum(zero_accum(state, self.decoupled))
-        if self._step is None:
-            self._step = self._compile((state, self._acc))
+        self._prepare(state)
         epochs = self.config.epochs  # the same device arrays, pass after pass
         per_update = np.float32(1.0 / max(batch.updates * epochs, 1))
-        carry, metrics = (state, self._acc), {}
+        carry, metrics, extra = (state, self._acc), {}, self._extra()  # after `_prepare`
         for epoch in range(epochs):
             for i, (mb, mb_arrays) in enumerate(zip(batch.microbatches, arrays)):
                 first = np.bool_(epoch == 0 and i == 0)
                 carry, metrics = self._step(carry, mb_arrays, first, np.bool_(mb.last),
-                                            per_update)
+                                            per_update, *extra)
                 if sync:
                     jax.block_until_ready(carry)  # deliberate sync (measurement only)
         state, self._acc = carry
@@ -279,9 +401,33 @@ class TrainStep:
     def _placed_accum(self, acc: Accum) -> Accum:
         return acc
 
+    def _prepare(self, state: TrainState) -> None:
+        """The model's sizes, the accumulator and the program, on the first call."""
+        if self.lora is not None and self.frozen is None:
+            raise RuntimeError("a LoRA TrainStep needs its base: call freeze(base) first")
+        if self.dims is None:
+            model = self.frozen if self.lora is not None else state.params
+            self.dims = params_lib.merge(self.graphdef, model).dims
+        if self._acc is None:
+            self._acc = self._placed_accum(zero_accum(state, self.decoupled, self.dims.dtype))
+        if self._step is None:
+            self._step = self._compile((state, self._acc))
+
+    def compiled(self, state: TrainState, arrays: dict[str, Any]):
+        """The compiled microbatch program for `state` and one microbatch's arrays (inspection:
+        `memory_analysis()`); compiles it when this shape is new, runs nothing."""
+        state = self._placed(state)
+        self._prepare(state)
+        arrays = self._put({k: arrays[k] for k in TRAIN_FIELDS})
+        flag = np.bool_(True)
+        return self._step.lower((state, self._acc), arrays, flag, flag, np.float32(1),
+                                *self._extra()).compile()
+
 
 def make_train_step(graphdef, config: LearnerConfig, temperature: float,
                     optimizer: optax.GradientTransformation,
-                    allowed_v: np.ndarray | None = None) -> TrainStep:
-    """The learner step (see `TrainStep`); its jitted program is named `train_step`."""
-    return TrainStep(graphdef, config, temperature, optimizer, allowed_v)
+                    allowed_v: np.ndarray | None = None, *, remat: bool = False,
+                    lora=None) -> TrainStep:
+    """The learner step (see `TrainStep`); its jitted program is named `train_step`. With `lora`
+    (a `headrace.model.lora.LoraSpec`) the state's params are adapters: call `freeze(base)`."""
+    return TrainStep(graphdef, config, temperature, optimizer, allowed_v, remat=remat, lora=lora)

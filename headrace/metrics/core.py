@@ -4,6 +4,12 @@
 as they are, distributions as `<name>_p50`/`_p90`/`_p99` (or `_ms_p99` for millisecond series) and
 `<name>_mean`. Distributions keep the last `window` observations, so percentiles follow the run
 rather than its whole history.
+
+How a metric's values from several processes combine (`metrics.remote.merge`) is declared with
+the metric, never read off its name: counters add up (SUM); a distribution's tail series
+(`_p90`, `_p99`) take the worst process's (MAX), its `_p50` and `_mean` the mean; a gauge is
+averaged unless the module that names it declares otherwise (`declare("staleness/lag_max",
+MAX)`), and `export` carries the declarations to the merge.
 """
 
 from __future__ import annotations
@@ -15,6 +21,30 @@ import time
 from collections.abc import Iterable, Iterator
 
 import numpy as np
+
+SUM, MEAN, MAX = "sum", "mean", "max"
+REDUCTIONS = (SUM, MEAN, MAX)
+# A distribution's series: (suffix, quantile or None for the mean, reduction across processes)
+SERIES = (("_p50", 0.5, MEAN), ("_p90", 0.9, MAX), ("_p99", 0.99, MAX), ("_mean", None, MEAN))
+_DECLARED: dict[str, str] = {}
+
+
+def declare(name: str, reduce: str) -> str:
+    """Declares how the gauge (or `extra` value) `name` combines across processes; returns it.
+
+    Raises:
+      ValueError: an unknown reduction, or `name` declared before with another one.
+    """
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"{name}: reduction {reduce!r} is not one of {REDUCTIONS}")
+    if _DECLARED.setdefault(name, reduce) != reduce:
+        raise ValueError(f"{name}: declared {_DECLARED[name]!r} before, now {reduce!r}")
+    return name
+
+
+def reduction(name: str) -> str:
+    """The declared reduction of a gauge or `extra` value (MEAN when none was declared)."""
+    return _DECLARED.get(name, MEAN)
 
 
 class Distribution:
@@ -91,34 +121,29 @@ class Metrics:
         with self._lock:
             self.gauges[name] = float(value)
 
+    def _series(self, table: dict[str, Distribution], name: str) -> Distribution:
+        """`table[name]`, made on first use (the caller holds the lock)."""
+        dist = table.get(name)
+        if dist is None:
+            dist = table[name] = Distribution(self._window)
+        return dist
+
     def observe(self, name: str, value: float) -> None:
         with self._lock:
-            dist = self.dists.get(name)
-            if dist is None:
-                dist = self.dists[name] = Distribution(self._window)
-            dist.add(value)
+            self._series(self.dists, name).add(value)
 
     def observe_many(self, name: str, values: Iterable[float]) -> None:
         with self._lock:
-            dist = self.dists.get(name)
-            if dist is None:
-                dist = self.dists[name] = Distribution(self._window)
-            dist.extend(values)
+            self._series(self.dists, name).extend(values)
 
     def average(self, name: str, value: float) -> None:
         """Adds to a windowed mean reported under `name` itself (e.g. `reward/mean`)."""
         with self._lock:
-            dist = self.averages.get(name)
-            if dist is None:
-                dist = self.averages[name] = Distribution(self._window)
-            dist.add(value)
+            self._series(self.averages, name).add(value)
 
     def average_many(self, name: str, values: Iterable[float]) -> None:
         with self._lock:
-            dist = self.averages.get(name)
-            if dist is None:
-                dist = self.averages[name] = Distribution(self._window)
-            dist.extend(values)
+            self._series(self.averages, name).extend(values)
 
     @contextlib.contextmanager
     def timer(self, name: str) -> Iterator[None]:
@@ -133,23 +158,26 @@ class Metrics:
         with self._lock:
             return self.dists.get(name)
 
-    def export(self) -> dict[str, dict[str, float]]:
-        """The snapshot split into counters (summed across processes) and values (not)."""
+    def export(self) -> dict[str, dict]:
+        """The snapshot split into counters (summed across processes) and values, with `reduce`:
+        the reduction of every value that is not a mean (see the module docstring)."""
         snapshot = self.snapshot()
         with self._lock:
             counters = {k: snapshot.pop(k) for k in list(self.counters)}
-        return {"counters": counters, "values": snapshot}
+            reduce = {f"{name}{suffix}": r for name in self.dists
+                      for suffix, _, r in SERIES if r != MEAN}
+        reduce.update((k, reduction(k)) for k in snapshot if reduction(k) != MEAN)
+        return {"counters": counters, "values": snapshot, "reduce": reduce}
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             out: dict[str, float] = dict(self.counters)
             out.update(self.gauges)
+            quantiles = [q for _, q, _ in SERIES if q is not None]
             for name, dist in self.dists.items():
-                p50, p90, p99 = dist.quantiles((0.5, 0.9, 0.99))
-                out[f"{name}_p50"] = p50
-                out[f"{name}_p90"] = p90
-                out[f"{name}_p99"] = p99
-                out[f"{name}_mean"] = dist.mean()
+                values = iter(dist.quantiles(quantiles))
+                for suffix, q, _ in SERIES:
+                    out[f"{name}{suffix}"] = next(values) if q is not None else dist.mean()
             for name, dist in self.averages.items():
                 out[name] = dist.mean()
             return out

@@ -54,6 +54,9 @@ LIVE_ROWS = (
     ("success (greedy eval)", "eval/success_rate", "{:.3f}"),
     ("learner utilisation", "learner/utilization", "{:.3f}"),
     ("steps/s", "learner/steps_per_s", "{:.2f}"),
+    # where the learner's time goes: waiting for data, per step (the rest is utilisation)
+    ("learner wait for data (s/step)", "learner/wait_data_s_mean", "{:.3f}"),
+    ("actors' rate (groups/s into the buffer)", "buffer/ingest_per_s", "{:.1f}"),
     ("buffer depth", "buffer/depth", "{:.0f}"),
     ("policy lag (mean)", "staleness/lag_mean", "{:.2f}"),
     ("dropped (lag/age)", None, None),

@@ -11,7 +11,7 @@
 The mesh is built from `config.parallel.mesh` (a size per axis, -1 for "the rest", missing axes
 are 1) when `make_mesh` is called: importing this module touches no device. Axis types are
 `Auto`, so plain arrays and `NamedSharding`s mix freely under `jax.jit` (jax 0.10 defaults to
-`Explicit`; see PLATFORM.md).
+`Explicit`; see PLATFORM.md). The axis names are `headrace.axes`'s (re-exported here).
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from headrace.axes import AXES as AXES
+from headrace.axes import DATA as DATA
+from headrace.axes import FSDP as FSDP
+from headrace.axes import MODEL_AXES as MODEL_AXES
+from headrace.axes import ROW_AXES as ROW_AXES
+from headrace.axes import TENSOR as TENSOR
 from headrace.config import ConfigError
-
-DATA = "data"
-FSDP = "fsdp"
-TENSOR = "tensor"
-AXES = (DATA, FSDP, TENSOR)
-ROW_AXES = (DATA, FSDP)  # a microbatch's rows are split over these (major to minor)
-MODEL_AXES = (FSDP, TENSOR)  # parameters are sharded over these
 
 
 def resolve_sizes(sizes: Mapping[str, int], devices: int) -> tuple[int, int, int]:

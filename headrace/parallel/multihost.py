@@ -52,9 +52,9 @@ def check(config: Config) -> None:
     if p == 1:
         return
     lc = config.learner
-    if config.run.launcher != "processes":
-        raise ConfigError(f"parallel.processes={p}: needs run.launcher=processes (one learner "
-                          "process per jax.distributed process)")
+    if config.run.launcher not in ("processes", "ray"):
+        raise ConfigError(f"parallel.processes={p}: needs run.launcher=processes or ray (one "
+                          "learner process per jax.distributed process)")
     if lc.groups_per_batch % (p * lc.minibatches):
         raise ConfigError(f"learner.groups_per_batch={lc.groups_per_batch}: must divide by "
                           f"parallel.processes x learner.minibatches = {p * lc.minibatches} "

@@ -12,11 +12,14 @@ Kernels are stored [in, out]. The table (Megatron-style tensor parallelism insid
 |---------------------------|----------------------|----------|----------|
 | embed.embedding           | [vocab, d]           | tensor   | fsdp     |
 | attn.q/k/v.kernel         | [d, heads * e]       | fsdp     | tensor   |
+| attn.q/k/v.bias           | [heads * e]          | tensor   |          |
 | attn.o.kernel             | [heads * e, d]       | tensor   | fsdp     |
 | mlp.gate/up.kernel        | [d, ff]              | fsdp     | tensor   |
 | mlp.down.kernel           | [ff, d]              | tensor   | fsdp     |
 | unembed.kernel            | [d, vocab]           | fsdp     | tensor   |
-| *norm.scale               | [d]                  | -        |          |
+| *norm.scale               | [d] or [e]           | -        |          |
+
+(A tied model has no unembed.kernel: its logits use embed.embedding's vocabulary block.)
 
 A dimension that its axes' sizes do not divide falls back to not split (replicated on that
 dimension); so does a parameter no rule matches. `replication_report` lists both, with the share
@@ -48,6 +51,7 @@ Rule = tuple[str, tuple[AxisEntry, ...]]
 RULES: tuple[Rule, ...] = (
     (r"(^|\.)embed\.embedding$", (TENSOR, FSDP)),  # vocabulary-parallel rows, model dim over fsdp
     (r"\.attn\.[qkv]\.kernel$", (FSDP, TENSOR)),  # column-parallel: heads over tensor
+    (r"\.attn\.[qkv]\.bias$", (TENSOR,)),  # with their columns
     (r"\.attn\.o\.kernel$", (TENSOR, FSDP)),  # row-parallel: heads over tensor
     (r"\.mlp\.(gate|up)\.kernel$", (FSDP, TENSOR)),  # column-parallel: hidden over tensor
     (r"\.mlp\.down\.kernel$", (TENSOR, FSDP)),  # row-parallel: hidden over tensor

@@ -4,8 +4,11 @@ The supervisor (the `headrace train` process) starts the embedded `redis-server`
 `buffer.url` is given (append-only file in RUN_DIR/redis), the directory weight store in
 RUN_DIR/weights, then spawns the learner and the actors. Children die with the supervisor, even when
 it is SIGKILLed (PR_SET_PDEATHSIG). A crashed actor is restarted with exponential backoff and
-counted (`actor/restarts`); a crashed learner ends the run. Ctrl-C, the end of the run or an error:
-SIGTERM to every child, a grace period, then SIGKILL; Redis is shut down last.
+counted (`actor/restarts`); after `actor.max_restarts` crashes in a row (a run of HEALTHY_S resets
+the count) its error ends the run. A crashed learner ends the run. Either way the summary's
+`errors` carries the reason the child left (`worker.record_failure`) and the command exits
+non-zero. Ctrl-C, the end of the run or an error: SIGTERM to every child, a grace period, then
+SIGKILL; Redis is shut down last.
 
 Crash safety (`headrace.runtime.resume`): a run writes RUN_DIR/run.json (its id) when it starts;
 `train(..., resume_dir=RUN_DIR)` continues it: the same run id (so the same Redis keys), Redis
@@ -21,16 +24,16 @@ import dataclasses
 import logging
 import multiprocessing
 import pathlib
+import signal
+import threading
 import time
 from typing import Any
 
 import redis
 
-from headrace import config as config_lib
 from headrace.buffer.base import BufferError
 from headrace.buffer.redis_stream import call_with_retry, enable_ledger
-from headrace.buffer.server import RedisServer
-from headrace.config import Config
+from headrace.config import Config, ConfigError
 from headrace.metrics.core import Metrics
 from headrace.metrics.remote import read as read_metrics
 from headrace.model import params as params_lib
@@ -41,6 +44,11 @@ log = logging.getLogger(__name__)
 
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 GRACE_S = 20.0
+HEALTHY_S = 120.0  # an actor that ran this long before crashing starts a fresh restart count
+
+
+class LaunchError(RuntimeError):
+    """The run could not start (a child failed before the run began); the message says why."""
 
 
 @dataclasses.dataclass
@@ -49,18 +57,19 @@ class Child:
     target: Any
     args: tuple
     process: multiprocessing.process.BaseProcess | None = None
-    restarts: int = 0
+    restarts: int = 0  # crashes in a row (see HEALTHY_S)
     next_start: float = 0.0
+    started_at: float = 0.0
 
 
 class Supervisor:
-    def __init__(self, config: Config, run_dir, url: str, run_id: str):
+    def __init__(self, config: Config, run_dir, url: str, run_id: str, actors: bool = True):
         self.config = config
         self.run_dir = run_dir
         self.url = url
         self.run_id = run_id
         self._context = multiprocessing.get_context("spawn")
-        data = config.to_dict()
+        data = build.without_secrets(config).to_dict()  # the password goes by the environment
         placement = config.run
         processes = config.parallel.processes
         coordinator = f"127.0.0.1:{multihost.free_port()}" if processes > 1 else ""
@@ -72,15 +81,35 @@ class Supervisor:
         self.learner = self.learners[0]  # process 0: publishes weights, decides when it is done
         self.actors = [Child(f"actor-{i}", worker.actor_main,
                              (data, str(run_dir), url, run_id, i, tuple(placement.actor_cpus)))
-                       for i in range(config.actor.num_actors)]
+                       for i in range(config.actor.num_actors if actors else 0)]
         self.failure: str | None = None
         self.restarts = 0
+        self.stopping = False
 
     def _start(self, child: Child) -> None:
+        worker.failure_path(self.run_dir, child.name).unlink(missing_ok=True)  # an older one's
         process = self._context.Process(target=child.target, args=child.args, name=child.name,
                                         daemon=False)
-        process.start()
+        with build.password_for_children(self.config):
+            process.start()
+        child.started_at = time.monotonic()
         child.process = process  # only once started: stop() joins what it finds here
+
+    def why(self, child: Child) -> str:
+        """How `child` ended: its exit code and the reason it recorded, if any."""
+        code = child.process.exitcode
+        how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None
+               and code < 0 else f"exited with code {code}")
+        reason = worker.read_failure(self.run_dir, child.name)
+        return f"{child.name} {how}" + (f": {reason}" if reason else "")
+
+    def learner_gone(self) -> str | None:
+        """Why learner process 0 is no longer running, or None while it runs."""
+        return None if self.learner.process.is_alive() else self.why(self.learner)
+
+    def finished(self) -> bool:
+        """Learner process 0 ended by itself (run.max_steps)."""
+        return self.learner.process.exitcode == 0
 
     def start_learner(self) -> None:
         for child in self.learners:
@@ -93,25 +122,36 @@ class Supervisor:
     def check(self) -> None:
         """Restarts crashed actors (with backoff); records a learner failure."""
         now = time.monotonic()
+        if self.stopping:
+            return
         for child in self.learners:
             learner = child.process
             if learner is not None and not learner.is_alive() and learner.exitcode != 0 \
                     and self.failure is None:  # exit code 0: it finished (run.max_steps)
-                self.failure = f"{child.name} exited with code {learner.exitcode}"
+                self.failure = self.why(child)
         for child in self.actors:
             process = child.process
             if process is None or process.is_alive():
-                if process is None and now >= child.next_start:
+                if process is None and now >= child.next_start and self.failure is None:
                     self._start(child)
                 continue
-            log.warning("%s exited with code %s; restarting in %.0f s", child.name,
-                        process.exitcode, BACKOFF_S[min(child.restarts, len(BACKOFF_S) - 1)])
-            child.next_start = now + BACKOFF_S[min(child.restarts, len(BACKOFF_S) - 1)]
+            why = self.why(child)
+            if now - child.started_at >= HEALTHY_S:
+                child.restarts = 0  # it ran well for a while: a fresh count
+            child.process = None
+            if child.restarts >= self.config.actor.max_restarts:
+                if self.failure is None:
+                    self.failure = (f"{why} (crashed {child.restarts + 1} times in a row; "
+                                    f"actor.max_restarts={self.config.actor.max_restarts})")
+                continue
+            backoff = BACKOFF_S[min(child.restarts, len(BACKOFF_S) - 1)]
+            log.warning("%s; restarting in %.0f s", why, backoff)
+            child.next_start = now + backoff
             child.restarts += 1
             self.restarts += 1
-            child.process = None
 
     def stop(self) -> None:
+        self.stopping = True  # exits from here on are ours, not failures
         children = [c.process for c in (*self.actors, *self.learners) if c.process is not None]
         for process in children:
             if process.is_alive():
@@ -126,39 +166,89 @@ class Supervisor:
 
 
 def train(config: Config, *, live: bool = True, t0: float | None = None,
-          resume_dir: str | pathlib.Path | None = None) -> dict[str, Any]:
+          resume_dir: str | pathlib.Path | None = None,
+          make_supervisor=Supervisor, start_buffer=build.start_embedded_redis,
+          standalone: bool = False) -> dict[str, Any]:
     """Runs a whole training job over processes; returns the summary (also in summary.json).
 
     Args:
+      t0: the unix time the run's wall clock (`run.max_wall_s`, `wall_s`) counts from: by
+        default this call's; the command line passes its process's start.
       resume_dir: continue this run folder (with `config` from `resume.load_config`).
+      make_supervisor: `(config, run_dir, url, run_id)` -> what starts, watches and stops the
+        learner and actors (`Supervisor`'s methods); the Ray launcher passes its own.
+      start_buffer: `build.start_embedded_redis`'s signature and result (a server with `url`,
+        `dir`, `running`, `start` and `stop`); the Ray launcher's starts it on a node of its
+        choosing.
+      standalone: the learner side alone (`headrace learner`): no actor processes; the run is
+        announced in Redis for `headrace actor` processes started elsewhere
+        (`headrace.runtime.standalone`), and marked ended when it stops.
 
     Raises:
       ConfigError: a fresh run in a folder that holds one, or a folder that cannot be resumed.
     """
-    t0 = build.process_start_time() if t0 is None else t0
+    t0 = time.time() if t0 is None else t0
     build.check_flow(config)
-    if config.buffer.backend != "redis" or config.weights.backend != "dir":
-        config = config_lib.replace(config, buffer={"backend": "redis"},
-                                    weights={"backend": "dir"})
-    from headrace.parallel.step import check_mesh
+    if config.buffer.backend != "redis" or config.weights.backend not in ("dir", "redis"):
+        raise ConfigError(f"run.launcher={config.run.launcher} needs buffer.backend=redis and "
+                          f"weights.backend=dir or redis, not {config.buffer.backend} and "
+                          f"{config.weights.backend}")  # Config refuses it before this
+    from headrace.learner.sharded_step import check_mesh
 
     check_mesh(config, build.build_task(config).dims)  # in the learner process it would fail alone
+    # From here on config.buffer.password is the clients' password, in memory only.
     if resume_dir is None:
         resume.check_new_run_dir(config)
         run_dir = build.make_run_dir(config)
         run_id = resume.start_run(run_dir, config)
+        server, config = start_buffer(config, run_dir)
     else:
         run_dir = pathlib.Path(resume_dir).absolute()
-        run_id = resume.begin_resume(run_dir, config)
-    server = None
-    if not config.buffer.url:
-        server = RedisServer.from_config(config.buffer, run_dir / "redis").start()
-    url = config.buffer.url or server.url
+        # First: a run whose passwords cannot be found is refused before the resume is recorded.
+        as_given = build.without_secrets(config)  # written: not the server's weights.url
+        server, config = start_buffer(config, run_dir, resume=True)
+        run_id = resume.read_run(run_dir)["run_id"]
+    url = config.buffer.shard_url(0, server.url if server is not None else "")
     client = redis.Redis.from_url(url, password=config.buffer.password or None)
-    if config.run.ledger:
-        enable_ledger(client, run_id)  # before any child opens the buffer
-    supervisor = Supervisor(config, run_dir, url, run_id)
+    if resume_dir is not None:
+        try:  # refused before anything is recorded: the folder stays as it was
+            resume.check_resumable(run_dir, client, run_id)
+        except BaseException:
+            client.close()
+            if server is not None:
+                server.stop()
+            raise
+        resume.begin_resume(run_dir, as_given)
+        build.clear_pins(run_dir)  # evaluation points of steps the crash undid: trained again
+    if config.run.ledger:  # before any child opens the buffer; on every shard
+        for shard in range(config.buffer.shard_count):
+            if config.buffer.urls and shard:
+                other = redis.Redis.from_url(config.buffer.urls[shard],
+                                             password=config.buffer.password or None)
+                enable_ledger(other, run_id, shard)
+                other.close()
+            else:
+                enable_ledger(client, run_id, shard)
+    supervisor = (Supervisor(config, run_dir, url, run_id, actors=False) if standalone
+                  else make_supervisor(config, run_dir, url, run_id))
     metrics = Metrics()  # the supervisor's own: evaluation and restarts
+    revive_lock = threading.Lock()
+
+    def revive() -> None:
+        """Restarts a crashed embedded Redis (same port, its append-only file reloaded: with
+        `buffer.fsync: always` nothing acknowledged to a writer is lost) before the children's
+        retries run out. Called every tick and by every retry of the supervisor's own reads."""
+        with revive_lock:
+            if server is not None and not server.running and not supervisor.stopping:
+                log.warning("the embedded redis-server exited; restarting it from its "
+                            "append-only file in %s", server.dir)
+                server.start()
+                metrics.count("buffer/server_restarts")
+
+    def tick() -> None:
+        revive()
+        supervisor.check()
+
     try:
         task = build.build_task(config)
         build.kept_episodes(config, task)  # a config error now, not in every actor
@@ -169,35 +259,51 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
             # A busy server can stall past redis-py's 5 s socket timeout: retried, not fatal.
             merged = call_with_retry(lambda: read_metrics(client, run_id), where=url,
                                      what="reading metrics", retry_s=30.0,
-                                     error=BufferError)
+                                     error=BufferError, on_retry=revive)
             merged.update(metrics.snapshot())
             merged["actor/restarts"] = supervisor.restarts
             return merged
 
         evaluator = supervise.Evaluator(config, task, graphdef, weights, metrics, t0,
-                                        lambda: snapshot().get("actor/episodes", 0))
+                                        lambda: snapshot().get("actor/episodes", 0),
+                                        build.make_pins(config, run_dir))
         supervisor.start_learner()
         while weights.latest_version() < 0:  # actors start from a published version 0
-            if not supervisor.learner.process.is_alive():
-                raise RuntimeError("the learner exited before publishing version 0 "
-                                   f"(code {supervisor.learner.process.exitcode}); see its log")
+            gone = supervisor.learner_gone()
+            if gone is not None:
+                raise LaunchError(f"the learner exited before publishing version 0: "
+                                  f"{gone}; see the log above")
             time.sleep(0.1)
         supervisor.start_actors()
+        if standalone:
+            from headrace.runtime import standalone as standalone_lib
+
+            standalone_lib.announce(client, run_id, weights, url, config)
         reporter = supervise.Reporter(config, run_dir, live)
         evaluation = supervise.start_thread("evaluator", evaluator.run)
         try:
             stopped_by = supervise.watch(
                 config, t0, snapshot=snapshot, reporter=reporter, evaluator=evaluator,
-                failed=lambda: supervisor.failure is not None,
-                finished=lambda: supervisor.learner.process.exitcode == 0,
-                tick=supervisor.check)
+                failed=lambda: supervisor.failure is not None or evaluation.error is not None,
+                finished=supervisor.finished,
+                tick=tick)
         finally:
             supervisor.stop()
             evaluation.stop()
-        errors = [supervisor.failure] if supervisor.failure and stopped_by == "error" else []
+        errors = [supervisor.failure] if supervisor.failure else []
+        if evaluation.error is not None:
+            errors.append(f"evaluator: {type(evaluation.error).__name__}: {evaluation.error}")
+        if errors:
+            stopped_by = "error"
         return supervise.finish(run_dir, t0, evaluator, reporter, snapshot(), stopped_by, errors)
     finally:
         supervisor.stop()
+        if standalone:
+            from headrace.runtime import standalone as standalone_lib
+
+            standalone_lib.mark_ended(client, run_id)
+            if server is not None:  # actors see the end before the server goes
+                time.sleep(standalone_lib.POLL_S * 2)
         client.close()
         if server is not None:
             server.stop()

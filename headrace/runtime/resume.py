@@ -20,13 +20,12 @@ processes writes `learner-NNNN-pK.jsonl`, its own sequence): `trained` (per step
 and, before each checkpoint save, a `checkpoint` marker followed by an fsync. A learner that
 restored checkpoint K writes `restored: K` in its first line: every record after K's marker was
 lost with the crash (those entries were never acknowledged, so they come back and are handled
-again). `history` replays each process's files that way; `accounting` checks the identity of DESIGN.md,
-written = trained ∪ dropped ∪ quarantined ∪ in the buffer, exactly, by group id.
+again). `history` replays each process's files that way; `headrace.runtime.accounting` checks the
+identity of DESIGN.md, written = trained ∪ dropped ∪ quarantined ∪ in the buffer, exactly, by id.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
@@ -40,11 +39,9 @@ import yaml
 
 from headrace import config as config_lib
 from headrace.config import Config, ConfigError
+from headrace.rundir import RunDir
 from headrace.types import Entry
 
-RUN_FILE = "run.json"
-LEDGER_DIR = "ledger"
-CHECKPOINT_DIR = "checkpoints"
 CHECKPOINTS_KEPT = 3
 
 
@@ -73,7 +70,7 @@ def check_new_run_dir(config: Config) -> None:
     if "{time}" in config.run.dir:
         return
     path = pathlib.Path(config.run.dir.format(env=config.env.name.replace(":", ".")))
-    if (path / RUN_FILE).exists():
+    if (path / RunDir.RUN).exists():
         raise ConfigError(f"run.dir={config.run.dir!r}: {path} already holds a run; continue it "
                           f"with `headrace train --resume {path}` or choose another run.dir")
 
@@ -81,7 +78,7 @@ def check_new_run_dir(config: Config) -> None:
 def start_run(run_dir: pathlib.Path, config: Config) -> str:
     """Writes RUN_DIR/run.json for a new run and returns its fresh run id."""
     run_id = uuid.uuid4().hex[:12]
-    _write_json(run_dir / RUN_FILE, {"run_id": run_id, "created": time.time(),
+    _write_json(run_dir / RunDir.RUN, {"run_id": run_id, "created": time.time(),
                                      "ledger": config.run.ledger, "resumes": []})
     return run_id
 
@@ -92,11 +89,11 @@ def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     Raises:
       ConfigError: RUN_DIR is not a run folder of the processes launcher (no readable run.json).
     """
-    path = pathlib.Path(run_dir) / RUN_FILE
+    path = pathlib.Path(run_dir) / RunDir.RUN
     try:
         record = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{run_dir}: not a resumable run folder (no {RUN_FILE}; only runs of "
+        raise ConfigError(f"{run_dir}: not a resumable run folder (no {RunDir.RUN}; only runs of "
                           "the processes launcher, run.launcher=processes, can resume)") from None
     except (OSError, ValueError) as error:
         raise ConfigError(f"{path}: unreadable run record ({error})") from None
@@ -107,7 +104,7 @@ def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 def load_config(run_dir: str | os.PathLike, overrides: Sequence[str] = ()) -> Config:
     """The config to resume RUN_DIR with: its config.yaml plus `overrides`, run in RUN_DIR by the
-    processes launcher over Redis and the directory weight store.
+    processes launcher over Redis and its weight store (the directory one unless it was Redis).
 
     Raises:
       ConfigError: not a run folder, a bad override, or `run.ledger` changed (the ledger must
@@ -115,12 +112,54 @@ def load_config(run_dir: str | os.PathLike, overrides: Sequence[str] = ()) -> Co
     """
     run_dir = pathlib.Path(run_dir).absolute()
     record = read_run(run_dir)
-    config = config_lib.load(run_dir / "config.yaml", overrides)
+    config = config_lib.load(run_dir / RunDir.CONFIG, overrides)
     if config.run.ledger != bool(record.get("ledger")):
         raise ConfigError(f"run.ledger={config.run.ledger}: this run started with "
                           f"run.ledger={bool(record.get('ledger'))}, which cannot change")
-    return config_lib.replace(config, run={"dir": str(run_dir), "launcher": "processes"},
-                              buffer={"backend": "redis"}, weights={"backend": "dir"})
+    weights = "dir" if config.weights.backend == "memory" else config.weights.backend
+    launcher = "ray" if config.run.launcher == "ray" else "processes"  # threads keep no Redis
+    return config_lib.replace(config, run={"dir": str(run_dir), "launcher": launcher},
+                              buffer={"backend": "redis"}, weights={"backend": weights})
+
+
+def check_resumable(run_dir: pathlib.Path, client, run_id: str) -> None:
+    """Refuses to resume a run that would silently lose data: one without a checkpoint whose
+    buffer has already let go of acknowledged entries (with `run.checkpoint_every: 0` the learner
+    acknowledges after each step). Without a checkpoint and with nothing acknowledged, every
+    entry comes back to the learner, which starts again from its initial weights; a warning says
+    so.
+
+    Args:
+      client: a `redis.Redis` on the run's server (its append-only file reloaded).
+
+    Raises:
+      ConfigError: no checkpoint, and acknowledged entries are gone from the buffer.
+    """
+    import logging
+
+    from headrace.buffer.redis_stream import RedisBuffer
+    from headrace.learner.checkpoint import Checkpointer
+
+    checkpointer = Checkpointer(run_dir / RunDir.CHECKPOINTS, keep=CHECKPOINTS_KEPT,
+                                read_only=True)
+    try:
+        latest = checkpointer.latest_step()
+    finally:
+        checkpointer.close()
+    if latest is not None:
+        return
+    buffer = RedisBuffer(client, run_id=run_id, consumer="resume-check", ledger=False)
+    stats = buffer.stats()
+    gone = buffer.added() - (buffer.depth() + buffer.pending()) - int(stats["buffer/quarantined"])
+    if gone > 0:
+        raise ConfigError(
+            f"--resume {run_dir}: the run has no checkpoint, but {gone} groups were already "
+            "trained and acknowledged (run.checkpoint_every=0 acknowledges after every step); "
+            "resuming would start again from fresh weights without them. Start a new run "
+            "instead, and keep run.checkpoint_every > 0 (the default) so a crash can resume")
+    logging.getLogger(__name__).warning(
+        "--resume %s: no checkpoint yet; nothing was acknowledged, so every entry comes back: "
+        "the learner starts again from its initial weights", run_dir)
 
 
 def begin_resume(run_dir: pathlib.Path, config: Config) -> str:
@@ -128,8 +167,8 @@ def begin_resume(run_dir: pathlib.Path, config: Config) -> str:
     record = read_run(run_dir)
     record.setdefault("resumes", []).append({"time": time.time(),
                                              "max_steps": config.run.max_steps})
-    _write_json(run_dir / RUN_FILE, record)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    _write_json(run_dir / RunDir.RUN, record)
+    (run_dir / RunDir.CONFIG).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     return record["run_id"]
 
 
@@ -241,7 +280,7 @@ def history(run_dir: str | os.PathLike, latest: int | None) -> History:
     Raises:
       LedgerError: a start restored a checkpoint no earlier file marked, or `latest` is unmarked.
     """
-    files = _ledger_files(pathlib.Path(run_dir, LEDGER_DIR))
+    files = _ledger_files(pathlib.Path(run_dir, RunDir.LEDGER))
     processes = list(dict.fromkeys(process for process, _, _ in files)) or [None]
     parts = [_replay([path for p, _, path in files if p == process], latest)
              for process in processes]
@@ -283,121 +322,3 @@ def _replay(files: list[pathlib.Path], latest: int | None) -> History:
                 effective.append(record)
     truncate(latest, "the latest complete checkpoint is")
     return History(effective, void, starts)
-
-
-# --- accounting ----------------------------------------------------------------------------------
-
-
-def _stream_groups(client, key: str, id_field: bytes | None = None) -> dict[str, str | None]:
-    """entry id -> group id for every entry of a stream (None where the payload is malformed)."""
-    from headrace.buffer.redis_stream import FIELD
-    from headrace.buffer.serialize import MalformedEntry, decode
-
-    out: dict[str, str | None] = {}
-    start = "-"
-    while True:
-        page = client.xrange(key, start, "+", count=256)
-        for raw_id, fields in page:
-            entry_id = (fields.get(id_field) if id_field else raw_id).decode()
-            try:
-                out[entry_id] = decode(fields[FIELD]).group_id
-            except (MalformedEntry, KeyError):
-                out[entry_id] = None
-        if len(page) < 256:
-            return out
-        start = f"({page[-1][0].decode()}"
-
-
-def _ids(records: list[dict], kind: str) -> list[str]:
-    return [g for r in records if r["kind"] == kind for g in r["groups"]]
-
-
-def accounting(run_dir: str | os.PathLike, client) -> dict[str, Any]:
-    """Checks the accounting identity of a run that kept a ledger, exactly, by group id.
-
-    Args:
-      run_dir: the run folder (run.json, ledger/, checkpoints/).
-      client: a `redis.Redis` (bytes replies) on the run's server, e.g. a `RedisServer` restarted
-        on RUN_DIR/redis.
-
-    Returns:
-      Sets of group ids: `written` (every group put; as many as `added`, the stream's count of
-      puts, unless a writer ran without the ledger), `trained`, `dropped_by_reason` (reason ->
-      set), `quarantined` (malformed ones count by `entry:<id>`), `in_buffer` (undelivered or
-      pending), `missing` (written, and none of the others: lost), `trained_twice` (trained more
-      than once, or trained and dropped, in what the checkpoints keep), `unrecorded` (seen but
-      never recorded as written: a writer without the ledger), `redelivered` (handled with a
-      delivery count > 1), `skipped` (redelivered and skipped: its checkpoint already covered
-      it), `retrained` (trained, lost with a crash, trained again or still waiting); and
-      `checkpoint` (the latest one's metadata) with `counter_mismatches` (name -> (counter in the
-      checkpoint, count in the ledger)) for the counters that must survive a crash.
-
-    Raises:
-      LedgerError: the run kept no ledger, or the ledger contradicts the checkpoints.
-    """
-    from headrace.buffer.redis_stream import RedisBuffer
-    from headrace.runtime.checkpoint import Checkpointer
-
-    run_dir = pathlib.Path(run_dir)
-    record = read_run(run_dir)
-    if not record.get("ledger"):
-        raise LedgerError(f"{run_dir}: the run kept no ledger; start runs with run.ledger=true")
-    checkpointer = Checkpointer(run_dir / CHECKPOINT_DIR, keep=CHECKPOINTS_KEPT)
-    try:
-        latest = checkpointer.latest_step()
-        metadata = checkpointer.read_metadata(latest) if latest is not None else {}
-    finally:
-        checkpointer.close()
-    replay = history(run_dir, latest)
-
-    buffer = RedisBuffer(client, run_id=record["run_id"], consumer="accounting", ledger=False)
-    ids = buffer.all_ids()
-    stream = _stream_groups(client, buffer.stream_key)
-    quarantine = _stream_groups(client, buffer.quarantine_key, id_field=b"id")
-    written, added = buffer.written_group_ids(), buffer.added()
-
-    def groups(entry_ids) -> set[str]:
-        return {stream.get(i) or f"entry:{i}" for i in entry_ids}
-
-    trained_list = _ids(replay.effective, "trained")
-    trained = set(trained_list)
-    dropped: dict[str, set[str]] = collections.defaultdict(set)
-    for r in replay.effective:
-        if r["kind"] == "dropped":
-            dropped[r["reason"]].update(r["groups"])
-    all_dropped = set().union(*dropped.values()) if dropped else set()
-    quarantined = {quarantine.get(i) or f"entry:{i}" for i in ids["quarantined"]}
-    in_buffer = groups(ids["undelivered"] | ids["pending"])
-    seen = trained | all_dropped | quarantined | in_buffer
-    twice = {g for g, n in collections.Counter(trained_list).items() if n > 1}
-    everything = replay.effective + replay.void
-    redelivered = {g for r in everything
-                   for g, d in zip(r["groups"], r["deliveries"], strict=True) if d > 1}
-
-    counts = {"learner/groups": len(trained_list),
-              "buffer/redelivered_skipped": len(_ids(replay.effective, "skipped"))}
-    for reason in ("lag", "age"):
-        counts[f"staleness/dropped_{reason}"] = sum(
-            len(r["groups"]) for r in replay.effective
-            if r["kind"] == "dropped" and r["reason"] == reason)
-    counters = metadata.get("counters", {})
-    mismatches = {name: (counters.get(name, 0), n) for name, n in counts.items()
-                  if latest is not None and counters.get(name, 0) != n}
-    return {
-        "run_id": record["run_id"],
-        "written": written,
-        "added": added,
-        "trained": trained,
-        "dropped_by_reason": dict(dropped),
-        "quarantined": quarantined,
-        "in_buffer": in_buffer,
-        "missing": written - seen,
-        "trained_twice": twice | (trained & all_dropped),
-        "unrecorded": {g for g in seen if not g.startswith("entry:")} - written,
-        "redelivered": redelivered,
-        "skipped": set(_ids(replay.effective, "skipped")),
-        "retrained": set(_ids(replay.void, "trained")),
-        "learner_starts": replay.starts,
-        "checkpoint": metadata,
-        "counter_mismatches": mismatches,
-    }

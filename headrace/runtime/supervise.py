@@ -20,58 +20,86 @@ from headrace.audit.hint import sizing_hint
 from headrace.config import Config
 from headrace.metrics.core import Metrics
 from headrace.metrics.sinks import JsonlSink, LiveView, TensorBoardSink
-from headrace.model import params as params_lib
+from headrace.rundir import RunDir
 from headrace.runtime import build
 from headrace.weights.base import VersionGone, WeightStore
+from headrace.weights.memory import MemoryWeightStore
 
 log = logging.getLogger(__name__)
 
 
 class Evaluator:
-    """Greedy evaluation of published versions, on its own thread (never the learner's).
+    """Greedy evaluation of the learner's weights at exact steps, on its own thread (never the
+    learner's).
 
-    The watch loop asks for one when the learner's step (read every half second) crosses a
-    multiple of `run.eval_every`; multiples crossed between two reads are one evaluation, at the
-    newer step. A request still queued when the run stops is evaluated by `drain` before the
-    final one, so stopping loses no evaluation point. One evaluation runs at a time (the sampler
-    is shared).
+    Periodic points: the learner pins the weights of every step that is a multiple of
+    `run.eval_every` (before `run.max_steps`) in `pins`, keyed by the step; the watch loop polls
+    for new pins (`maybe_request`, every half second) and this thread evaluates them, so every
+    point of the curve is the policy of exactly its step, however far the learner has moved on.
+    When the evaluator falls behind it evaluates the newest pin (the ones skipped are not
+    evaluated); a pin pruned before it was read is skipped with a warning. A request still
+    queued when the run stops is evaluated by `drain` before the final one, so stopping loses no
+    evaluation point. The final evaluation (`finish`) is of the last published weights, at the
+    last step. One evaluation runs at a time (the sampler is shared).
     """
 
     def __init__(self, config: Config, task: build.Task, graphdef, weights: WeightStore,
-                 metrics: Metrics, t0: float, episodes: Callable[[], float]):
+                 metrics: Metrics, t0: float, episodes: Callable[[], float],
+                 pins: WeightStore | None = None):
+        """`pins`: the store the learner pins evaluation points in (`build.make_pins`); None:
+        no periodic evaluation, only the final one."""
         self.config = config
         self.task = task
         self.weights = weights
+        self.pins = pins if pins is not None else MemoryWeightStore(1)  # None: stays empty
         self.metrics = metrics
         self.t0 = t0
         self.episodes = episodes
         self.sampler = build.make_sampler(config, task, graphdef, seed=config.run.seed + 7)
+        self._loader = None  # published weights -> params (a LoRA base loads on first use)
         probe = task.make_env()
         self.seeds = eval_seeds(probe, 64)
         probe.close()
-        self.requests: queue.Queue[tuple[int, int]] = queue.Queue()
+        self.requests: queue.Queue[int] = queue.Queue()
         self.curve: list[dict[str, float]] = []
         self.time_to_target_s: float | None = None
         self.reached = threading.Event()
-        self._next_step = config.run.eval_every
+        # Pins already there belong to an earlier start of this run (a resume): not evaluated.
+        self._last_pin = self.pins.latest_version()
         self._lock = threading.Lock()
 
     def maybe_request(self, step: int) -> None:
-        """Queues an evaluation of the newest weights when `step` crosses the next eval point."""
-        every, last = self.config.run.eval_every, self.config.run.max_steps
+        """Queues the newest pinned evaluation point, if the learner pinned one since the last
+        call and it is before the last step (`step`: the learner's step now)."""
+        last = self.config.run.max_steps
         if last and step >= last:  # the learner is finishing: the final evaluation covers it
             return
-        if every and step >= self._next_step:
-            self._next_step = (step // every + 1) * every
-            self.requests.put((step, self.weights.latest_version()))
+        pinned = self.pins.latest_version()
+        if pinned > self._last_pin:
+            self._last_pin = pinned
+            self.requests.put(pinned)
+
+    def evaluate_pin(self, step: int) -> dict[str, float]:
+        """Evaluates the weights pinned at learner step `step`.
+
+        Raises:
+          VersionGone: the pin was pruned (the evaluator fell behind by PINS_KEPT points).
+        """
+        return self._evaluate(step, self.pins.load(step))
 
     def evaluate_version(self, step: int, version: int) -> dict[str, float]:
+        """Evaluates published weights `version`, recorded at learner step `step`."""
+        return self._evaluate(step, self.weights.load(version))
+
+    def _evaluate(self, step: int, flat) -> dict[str, float]:
         with self._lock:
-            self.sampler.set_params(params_lib.from_host(self.weights.load(version)), version)
+            if self._loader is None:
+                self._loader = build.weights_loader(self.config, self.task)
+            self.sampler.set_params(self._loader(flat), step)
             result = evaluate(self.task.make_env, self.task.tokenizer, self.sampler, self.seeds,
                               self.config.env.step_timeout_s, self.config.actor.max_batch)
             wall = time.time() - self.t0
-            self.curve.append({"wall_s": round(wall, 2), "step": step, "version": version,
+            self.curve.append({"wall_s": round(wall, 2), "step": step,
                                "episodes": self.episodes(),
                                "success_rate": result["success_rate"]})
         self.metrics.gauge("eval/success_rate", result["success_rate"])
@@ -84,36 +112,48 @@ class Evaluator:
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                step, version = self.requests.get(timeout=0.1)
+                step = self.requests.get(timeout=0.1)
             except queue.Empty:
                 continue
             while not self.requests.empty():  # fall behind gracefully: evaluate the newest
-                step, version = self.requests.get_nowait()
+                step = self.requests.get_nowait()
             try:
-                self.evaluate_version(step, version)
-            except VersionGone:  # pruned meanwhile: the next request will do
-                continue
+                self.evaluate_pin(step)
+            except VersionGone:
+                log.warning("eval step %d: its pinned weights were pruned before evaluation",
+                            step)
 
     def drain(self, before_step: int) -> None:
-        """Evaluates the newest request still queued if its step is before `before_step` (the
+        """Evaluates the newest pin not yet evaluated if its step is before `before_step` (the
         final evaluation's); called once the run has stopped and `run` has returned."""
+        self.maybe_request(0)  # a pin made since the last poll of the watch loop
         pending = None
         while not self.requests.empty():
             pending = self.requests.get_nowait()
-        if pending is not None and pending[0] < before_step:
+        if pending is not None and pending < before_step:
             try:
-                self.evaluate_version(*pending)
+                self.evaluate_pin(pending)
             except VersionGone:
-                log.warning("eval step %d: version %d was pruned before it was evaluated",
-                            *pending)
+                log.warning("eval step %d: its pinned weights were pruned before evaluation",
+                            pending)
 
 
 class Background:
-    """A daemon thread running `fn(stop_event)`, stopped and joined by `stop()`."""
+    """A daemon thread running `fn(stop_event)`, stopped and joined by `stop()`; an exception
+    that ends it is kept in `error` (for the launcher to report) and logged."""
 
     def __init__(self, name: str, fn: Callable[[threading.Event], None]):
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=fn, args=(self._stop,), name=name, daemon=True)
+        self.error: BaseException | None = None
+
+        def run(stop: threading.Event) -> None:
+            try:
+                fn(stop)
+            except Exception as error:
+                log.exception("%s failed", name)
+                self.error = error
+
+        self._thread = threading.Thread(target=run, args=(self._stop,), name=name, daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -130,8 +170,8 @@ class Reporter:
 
     def __init__(self, config: Config, run_dir: pathlib.Path, live: bool):
         self.config = config
-        self.sinks = [JsonlSink(run_dir / "metrics.jsonl"),
-                      TensorBoardSink(run_dir / "tensorboard")]
+        self.sinks = [JsonlSink(run_dir / RunDir.METRICS),
+                      TensorBoardSink(run_dir / RunDir.TENSORBOARD)]
         self.view = LiveView(f"headrace train {config.env.name}", enabled=live)
         self._last_step = -1
 
@@ -201,5 +241,5 @@ def finish(run_dir: pathlib.Path, t0: float, evaluator: Evaluator, reporter: Rep
         "run_dir": str(run_dir),
         "eval_curve": evaluator.curve,
     }
-    build.write_json(run_dir / "summary.json", summary)
+    build.write_json(run_dir / RunDir.SUMMARY, summary)
     return summary

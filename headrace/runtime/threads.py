@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
-from headrace.actor.actor import Actor
 from headrace.config import Config
-from headrace.learner.loop import Learner
 from headrace.metrics.core import Metrics
 from headrace.runtime import build, supervise
 
@@ -40,15 +39,14 @@ class Worker(threading.Thread):
 
 
 def train(config: Config, *, live: bool = True, t0: float | None = None) -> dict[str, Any]:
-    """Runs a whole training job; returns the summary (also written to RUN_DIR/summary.json)."""
-    t0 = build.process_start_time() if t0 is None else t0
+    """Runs a whole training job; returns the summary (also written to RUN_DIR/summary.json).
+
+    `t0` is the unix time the run's wall clock (`run.max_wall_s`, `wall_s`) counts from: by
+    default this call's; the command line passes its process's start."""
+    t0 = time.time() if t0 is None else t0
     build.check_flow(config)
     run_dir = build.make_run_dir(config)
-    server = None
-    if config.buffer.backend == "redis" and not config.buffer.url:  # an embedded server
-        from headrace.buffer.server import RedisServer
-
-        server = RedisServer.from_config(config.buffer, run_dir / "redis").start()
+    server, config = build.start_embedded_redis(config, run_dir)  # password kept in memory
     url = config.buffer.url or (server.url if server else "")
     try:
         return _train(config, run_dir, t0, live,
@@ -66,19 +64,18 @@ def _train(config: Config, run_dir, t0: float, live: bool, buffer) -> dict[str, 
     metrics = Metrics()
     stop = threading.Event()
     admission = build.make_admission(config, buffer)
+    pins = build.make_pins(config, run_dir)  # the weights of each evaluation point
     evaluator = supervise.Evaluator(config, task, graphdef, weights, metrics, t0,
-                                    lambda: metrics.snapshot().get("actor/episodes", 0))
-    learner = Learner(config, graphdef, params, buffer, weights, metrics, stop,
-                      allowed_v=task.sampler_settings.allowed_mask(task.dims.vocab_size),
-                      admission=admission, trace_path=build.trace_path(config, run_dir))
+                                    lambda: metrics.snapshot().get("actor/episodes", 0), pins)
+    learner = build.make_learner(config, task, graphdef, params, buffer, weights, metrics, stop,
+                                 admission=admission, run_dir=run_dir, pins=pins)
     learner.publish(wait=True)  # version 0, before any actor starts
     workers = [Worker("learner", learner.run, stop),
                Worker("evaluator", lambda: evaluator.run(stop), stop)]
     for i in range(config.actor.num_actors):
-        sampler = build.make_sampler(config, task, graphdef, seed=config.run.seed + 100 + i,
-                                     acting=True)
-        actor = Actor(config, f"actor-{i}", task.make_env, task.tokenizer, sampler, buffer,
-                      weights, metrics, stop, admission)
+        actor = build.make_actor(config, task, f"actor-{i}",
+                                 build.actor_sampler(config, task, graphdef, i, weights), buffer, weights,
+                                 metrics, stop, admission=admission)
         workers.append(Worker(f"actor-{i}", actor.run, stop))
     reporter = supervise.Reporter(config, run_dir, live)
     for worker in workers:
@@ -93,5 +90,7 @@ def _train(config: Config, run_dir, t0: float, live: bool, buffer) -> dict[str, 
         for worker in workers:
             worker.join(timeout=30)
     errors = [f"{w.name}: {type(w.error).__name__}: {w.error}" for w in workers if w.error]
+    if errors:  # a worker's failure, whatever else was seen first
+        stopped_by = "error"
     return supervise.finish(run_dir, t0, evaluator, reporter,
                             {**metrics.snapshot(), **buffer.stats()}, stopped_by, errors)

@@ -4,7 +4,9 @@ Each child ties its life to the supervisor (SIGKILL when the parent dies, Linux 
 turns SIGTERM/SIGINT into its stop event, pins itself to its CPUs and limits XLA's threads before
 JAX is imported, then builds its component from the config and runs it. Metrics go to Redis
 (`headrace.metrics.remote`). A child that fails logs the error and exits non-zero; the supervisor
-restarts actors with backoff and ends the run when the learner fails.
+restarts actors with backoff and ends the run when the learner fails. The reason travels in a
+file, RUN_DIR/failures/NAME.json (`record_failure`; written even when Redis is what failed), which
+the supervisor reads into the summary's `errors`.
 """
 
 from __future__ import annotations
@@ -18,17 +20,72 @@ import sys
 import threading
 from typing import Any
 
+from headrace.rundir import RunDir
+
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 
 
-def _setup(name: str, cpus: tuple[int, ...], xla_threads: int) -> threading.Event:
+def failure_path(run_dir: str | os.PathLike, name: str) -> pathlib.Path:
+    return pathlib.Path(run_dir) / RunDir.FAILURES / f"{name}.json"
+
+
+def record_failure(run_dir: str | os.PathLike, name: str, error: BaseException) -> None:
+    """Leaves `error` for the supervisor (atomically: a half-written reason is never read)."""
+    import json
+    import time
+
+    path = failure_path(run_dir, name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"name": name, "time": time.time(),
+                                   "error": f"{type(error).__name__}: {error}"}))
+        tmp.replace(path)
+    except OSError:  # the exit code still says it failed; the log has the traceback
+        logging.getLogger(__name__).exception("%s: its failure could not be recorded", name)
+
+
+def read_failure(run_dir: str | os.PathLike, name: str) -> str | None:
+    """The reason `record_failure` left for `name`, or None."""
+    import json
+
+    try:
+        return json.loads(failure_path(run_dir, name).read_text())["error"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _recording(run_dir: str, name: str):
+    """A context manager: an exception leaving it is recorded for the supervisor, then raised."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def guard():
+        try:
+            yield
+        except BaseException as error:
+            if not isinstance(error, SystemExit) or error.code not in (0, None):
+                record_failure(run_dir, name, error)
+            raise
+
+    return guard()
+
+
+def _setup(name: str, cpus: tuple[int, ...], xla_threads: int,
+           supervised: bool = True) -> threading.Event:
+    """`supervised`: a child of the supervisor (it dies with it, Ctrl-C is the supervisor's);
+    else a process on its own (`headrace actor`): SIGINT stops it like SIGTERM."""
     # stdout belongs to the supervisor (`--json` prints one object there): a child's output, even
     # from C++ libraries (Gloo's connection messages), goes to stderr.
     sys.stdout.flush()
     os.dup2(2, 1)
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() == 1:  # the supervisor died before we got here
+    if supervised:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # The process's name in `ps -o comm`, top and /proc/PID/comm: "learner", "actor-0", ...
+    libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    if supervised and os.getppid() == 1:  # the supervisor died before we got here
         sys.exit(1)
     if cpus:
         os.sched_setaffinity(0, cpus)
@@ -44,7 +101,8 @@ def _setup(name: str, cpus: tuple[int, ...], xla_threads: int) -> threading.Even
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
+    # Ctrl-C is the supervisor's to handle; a process on its own stops on it
+    signal.signal(signal.SIGINT, signal.SIG_IGN if supervised else on_signal)
     return stop
 
 
@@ -65,34 +123,42 @@ def learner_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: st
     whose coordinator listens on `coordinator` (host:port)."""
     name = "learner" if processes == 1 else f"learner-{process_id}"
     stop = _setup(name, cpus, 1 if cpus else 0)
+    with _recording(run_dir, name):
+        _learner(config_data, run_dir, url, run_id, process_id, processes, coordinator, stop,
+                 name)
+
+
+def _learner(config_data, run_dir, url, run_id, process_id, processes, coordinator, stop,
+             name) -> None:
     if processes > 1:
         from headrace.parallel import multihost
 
         multihost.initialize(coordinator, processes, process_id)  # before any computation
-    from headrace.learner.loop import Learner
+    from headrace.learner.checkpoint import Checkpointer
     from headrace.metrics.core import Metrics
     from headrace.metrics.remote import Publisher
     from headrace.runtime import build, resume
-    from headrace.runtime.checkpoint import Checkpointer
 
     config, task, weights = _common(config_data, run_dir)
-    buffer = build.make_buffer(config, url=url, run_id=run_id, consumer=f"learner-{process_id}")
+    buffer = build.make_buffer(config, url=url, run_id=run_id, consumer=f"learner-{process_id}",
+                               host=process_id, hosts=processes)
     graphdef, params = build.init_params(config, task)
     metrics = Metrics()
-    publisher = Publisher(buffer.client, run_id, name, metrics, extra=buffer.stats).start()
+    publisher = Publisher(buffer.client, run_id, name, metrics, extra=buffer.stats,
+                          on_failure=stop.set).start()
     admission = build.make_admission(config, buffer, url=url, run_id=run_id)
     # Crash safety: restore the latest checkpoint of the run folder, if any (a resumed run).
     # Every learner process opens it: each saves and restores its own shards.
-    checkpointer = Checkpointer(pathlib.Path(run_dir) / resume.CHECKPOINT_DIR,
+    checkpointer = Checkpointer(pathlib.Path(run_dir) / RunDir.CHECKPOINTS,
                                 keep=resume.CHECKPOINTS_KEPT)
-    ledger = resume.Ledger(pathlib.Path(run_dir) / resume.LEDGER_DIR,
+    ledger = resume.Ledger(pathlib.Path(run_dir) / RunDir.LEDGER,
                            process_id if processes > 1 else None) if config.run.ledger else None
     try:
-        learner = Learner(config, graphdef, params, buffer, weights, metrics, stop,
-                          allowed_v=task.sampler_settings.allowed_mask(task.dims.vocab_size),
-                          admission=admission, checkpointer=checkpointer, ledger=ledger,
-                          trace_path=build.trace_path(config, pathlib.Path(run_dir))
-                          if process_id == 0 else None)
+        primary = process_id == 0  # traces and pins: process 0's
+        learner = build.make_learner(
+            config, task, graphdef, params, buffer, weights, metrics, stop, admission=admission,
+            checkpointer=checkpointer, ledger=ledger, run_dir=run_dir if primary else None,
+            pins=build.make_pins(config, run_dir) if primary else None)
         learner.publish_start()  # version 0, or the restored weights after a resume
         learner.run()
     finally:
@@ -104,86 +170,49 @@ def learner_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: st
 
 
 def actor_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: str, index: int,
-               cpus: tuple[int, ...]) -> None:
-    stop = _setup(f"actor-{index}", cpus, 0)
-    from headrace.actor.actor import Actor
+               cpus: tuple[int, ...], name: str = "") -> None:
+    """One actor process. `name` (default `actor-INDEX`) set: a standalone actor
+    (`headrace.runtime.standalone`), on its own, without a run folder, that stops when the run
+    is marked ended."""
+    standalone = bool(name)
+    name = name or f"actor-{index}"
+    stop = _setup(name, cpus, 0, supervised=not standalone)
+    if standalone:
+        _actor(config_data, run_dir, url, run_id, index, stop, name, standalone)
+        return
+    with _recording(run_dir, name):
+        _actor(config_data, run_dir, url, run_id, index, stop, name, standalone)
+
+
+def _actor(config_data, run_dir, url, run_id, index, stop, name, standalone) -> None:
     from headrace.metrics.core import Metrics
     from headrace.metrics.remote import Publisher
     from headrace.model import params as params_lib
     from headrace.runtime import build
 
     config, task, weights = _common(config_data, run_dir)
-    name = f"actor-{index}"
     buffer = build.make_buffer(config, url=url, run_id=run_id, consumer=name)
     metrics = Metrics()
-    publisher = Publisher(buffer.client, run_id, name, metrics, extra=buffer.stats).start()
+    publisher = Publisher(buffer.client, run_id, name, metrics, extra=buffer.stats,
+                          on_failure=stop.set).start()
+    if standalone:
+        from headrace.runtime import standalone as standalone_lib
+
+        standalone_lib.watch_end(buffer.client, run_id, stop)
     graphdef = params_lib.graphdef(task.dims)
-    sampler = build.make_sampler(config, task, graphdef, seed=config.run.seed + 100 + index,
-                                 acting=True)
+    sampler = build.actor_sampler(config, task, graphdef, index, weights)
+    actor = None
     try:
         admission = build.make_admission(config, buffer, url=url, run_id=run_id)
-        Actor(config, name, task.make_env, task.tokenizer, sampler, buffer, weights, metrics,
-              stop, admission).run()
+        actor = build.make_actor(config, task, name, sampler, buffer, weights, metrics, stop,
+                                 admission=admission)
+        actor.run()
     finally:
         publisher.stop()
         buffer.close()
-
-
-
-
-def probe_main(config_data: dict[str, Any], cpus: tuple[int, ...], rows: tuple[int, ...],
-               lengths: tuple[int, ...], repeats: int, window_s: float, conn) -> None:
-    """Times the actor's sampler on calls of each row count (`headrace.audit.probe`), set up as
-    an actor is (its CPUs; kept caches as `sampling.keep_cache` says), then measures an actor's
-    turn-side CPU at two loads over `window_s` each (`probe.measure_turns`); sends {"calls":
-    [(rows, seconds)...], "turns": [(turns/s, calls/s, cores)...]} through `conn`. Each row
-    count plays `repeats` episodes in lockstep, one call per turn at that turn's context length,
-    after one untimed episode that compiles their programs. Fresh weights: a call's cost does not
-    depend on their values."""
-    _setup("probe", cpus, 0)
-    import time
-
-    import numpy as np
-
-    from headrace.audit import probe
-    from headrace.config import load, replace
-    from headrace.runtime import build
-
-    config = load(data=config_data)
-    if config.sampling.keep_cache:  # a slot per probed row: a call reads only its rows' slots
-        g = config.actor.group_size  # (as many as the actor's: its programs, maybe cached)
-        config = replace(config, actor={"envs_per_actor": max(config.actor.envs_per_actor,
-                                                              -(-max(rows) // g) * g)})
-    task = build.build_task(config)
-    graphdef, params = build.init_params(config, task)
-    sampler = build.make_sampler(config, task, graphdef, seed=config.run.seed, acting=True,
-                                 background_compiles=False)
-    sampler.set_params(params, 0)
-    rng = np.random.default_rng(config.run.seed)
-    vocab, limit = task.dims.vocab_size, sampler.max_context()
-
-    def episode(n: int) -> list[float]:
-        """Seconds of each turn's call: a context extends the last one by what was generated
-        and an observation, up to the turn's length (so kept caches continue, as in a run)."""
-        slots = list(range(n)) if sampler.episodes else None
-        contexts, generated, seconds = [[] for _ in range(n)], [[] for _ in range(n)], []
-        for length in lengths:
-            contexts = [(c + list(g) + rng.integers(0, vocab, max(0, length - len(c) - len(g)))
-                         .tolist())[:limit] for c, g in zip(contexts, generated)]
-            start = time.perf_counter()
-            generated, _, _ = sampler.generate(contexts, slots=slots)
-            seconds.append(time.perf_counter() - start)
-        return seconds
-
-    timed = []
-    for n in rows:
-        episode(n)  # compiles this row count's programs: not timed
-        for _ in range(repeats):
-            timed.extend((n, s) for s in episode(n))
-    try:
-        turns = probe.measure_turns(config, sampler, params, window_s)
-    except Exception:  # the timed calls still count; the audit then charges turns as measured
-        logging.getLogger(__name__).exception("probe: the actor's turn CPU was not measured")
-        turns = []
-    sampler.close()
-    conn.send({"calls": timed, "turns": turns})
+    if actor is not None and actor.discarded:
+        # An environment call that timed out may still hold a thread that never returns, and
+        # the interpreter would wait for it at exit: leave now, everything is written.
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(0)

@@ -33,6 +33,9 @@ summary.json, and an Orbax checkpoint in `checkpoints/` (the learner's `TrainSta
 `kind: sft`, the model's dims and the text section). Greedy evaluation (the actor's `evaluate`)
 runs before training, every `sft.eval_every` updates and at the end.
 
+The job itself (it builds a task and a sampler: the composition root's work) is
+`headrace.runtime.sft.run`.
+
 Warm start: `model.init_from: RUN_DIR` makes `headrace train` (and `headrace sft`) start from the
 parameters of the newest checkpoint in RUN_DIR/checkpoints, of a warm-up or of a training run (a
 fresh optimizer; with `learner.kl_coef` the reference policy is the warm-started one). A folder
@@ -41,7 +44,6 @@ that does not exist, holds no checkpoint, or was made with another model or chat
 """
 
 from headrace.sft.demos import SftError
-from headrace.sft.job import run
 from headrace.sft.warm_start import check_init_from, load_init_params
 
-__all__ = ["SftError", "check_init_from", "load_init_params", "run"]
+__all__ = ["SftError", "check_init_from", "load_init_params"]

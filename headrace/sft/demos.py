@@ -12,8 +12,8 @@ from typing import Any
 
 from headrace.config import Config
 from headrace.env.base import Env
-from headrace.text.template import EpisodeRenderer, template_of
-from headrace.text.tokenizers import EOS, Tokenizer, TokenizerError
+from headrace.text.template import EpisodeRenderer, make_renderer, template_of
+from headrace.text.tokenizers import Tokenizer, TokenizerError
 from headrace.types import Group, Trajectory
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class ActionCoder:
                 raise SftError(f"{where}: action {action!r} is not one of the environment's action "
                                "words (decoding is constrained to them, one token per turn)")
             return tokens
-        tokens.append(EOS)
+        tokens.append(self.tokenizer.end_of_turn_id)
         if len(tokens) > self.max_new_tokens:
             raise SftError(f"{where}: action {action[:40]!r}... is {len(tokens)} tokens with "
                            f"<eos>, more than sampling.max_new_tokens={self.max_new_tokens}; "
@@ -77,7 +77,7 @@ def replay(env: Env, seed: int, actions: list[str], coder: ActionCoder, where: s
     Raises:
       SftError: an action the sampler cannot produce, or more actions than the episode takes.
     """
-    renderer = EpisodeRenderer(coder.tokenizer)
+    renderer = make_renderer(coder.tokenizer)
     obs, _ = env.reset(seed)
     renderer.add_observation(obs, first=True)
     reward, success, done = 0.0, False, False
@@ -118,7 +118,7 @@ def from_messages(messages: Any, tokenizer: Tokenizer, coder: ActionCoder, where
         raise SftError(f"{where}: the first message (after a system one) must be the user's")
     if not any(m["role"] == "assistant" for m in messages):
         raise SftError(f"{where}: no assistant message: nothing to learn")
-    renderer = EpisodeRenderer(tokenizer, template)
+    renderer = make_renderer(tokenizer, template)
     try:
         renderer.add_observation(messages[0]["content"], first=True)
         for m in messages[1:]:

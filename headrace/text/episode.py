@@ -32,13 +32,30 @@ class EpisodeBuilder:
     def length(self) -> int:
         return len(self.tokens)
 
+    @property
+    def generated(self) -> int:
+        """Tokens the policy generated (loss mask 1)."""
+        return sum(self._mask)
+
+    @property
+    def newest_version(self) -> int:
+        """The newest policy version that generated a token of this episode (-1: none)."""
+        return max(self._versions, default=-1)
+
     def _append(self, tokens: Sequence[int], generated: bool, logprobs: Sequence[float] = (),
-                version: int = -1) -> None:
+                version: int | Sequence[int] = -1) -> None:
         n = len(tokens)
         self.tokens.extend(int(t) for t in tokens)
         self._mask.extend([generated] * n)
         self._logps.extend((float(x) for x in logprobs) if generated else [0.0] * n)
-        self._versions.extend([version if generated else -1] * n)
+        if not generated:
+            self._versions.extend([-1] * n)
+        elif isinstance(version, (int, np.integer)):
+            self._versions.extend([int(version)] * n)
+        else:  # one version per token (an engine that changed weights mid-turn)
+            if len(version) != n:
+                raise ValueError(f"{n} generated tokens but {len(version)} versions")
+            self._versions.extend(int(v) for v in version)
 
     def add_observation(self, tokens: Sequence[int], role: str = "user") -> None:
         """A new turn of tokens the policy did not generate (loss mask 0)."""
@@ -49,10 +66,11 @@ class EpisodeBuilder:
         self.turns.append(Turn(self.length, self.length + len(tokens), role))
         self._append(tokens, generated=False)
 
-    def add_generated(self, tokens: Sequence[int], logprobs: Sequence[float], version: int,
-                      continue_turn: bool = False) -> None:
+    def add_generated(self, tokens: Sequence[int], logprobs: Sequence[float],
+                      version: int | Sequence[int], continue_turn: bool = False) -> None:
         """Tokens the policy generated (loss mask 1), as a new assistant turn, or appended to the
-        assistant turn `open_turn` started (`continue_turn`).
+        assistant turn `open_turn` started (`continue_turn`). `version`: the weights version of
+        every token, or one per token.
 
         Raises:
           ValueError: logprobs and tokens differ in length, or `continue_turn` without an open

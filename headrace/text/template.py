@@ -17,9 +17,11 @@ Tokens are only ever appended. The generated tokens go in exactly as the sampler
 every context the sampler was given is a prefix of the recorded trajectory, and the generated
 tokens follow it at once (tests/text/test_template.py checks this against a recording sampler).
 
-Built-in templates (`text.template`):
+Built-in templates (`text.template`), for the small word / byte vocabularies:
 
-- `plain` (default): `<bos>` and the first observation, then the generated tokens and observations
+- `auto` (default): the checkpoint's own Jinja template when `model.init_from` names one (hf: or
+  gguf:, see `headrace.text.checkpoint` and `headrace.text.jinja_render`), else `plain`.
+- `plain`: `<bos>` and the first observation, then the generated tokens and observations
   back to back, with no markers. This is the rendering headrace has always used (guess_number's
   one-token turns stay one token).
 - `chat`: every turn opens with a role token (`<|system|>`, `<|user|>`, `<|assistant|>`,
@@ -30,7 +32,12 @@ Built-in templates (`text.template`):
 
 `text.system` adds a system turn first (with `plain`: its tokens after `<bos>`). Later observations
 take the role `text.observation_role` (user or tool). A template of your own is a `ChatTemplate`
-instance named as `module:NAME` in `text.template`.
+instance named as `module:NAME` in `text.template`; a Jinja chat template of your own (with a
+checkpoint's tokenizer) is a `FILE.jinja`.
+
+`make_renderer` picks the renderer for a tokenizer's template: `EpisodeRenderer` for these,
+`JinjaRenderer` for a Jinja template. Special ids come from the tokenizer (`eos_id`, `bos_id`,
+`end_of_turn_id`), never from constants.
 """
 
 from __future__ import annotations
@@ -38,9 +45,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from headrace.config import ConfigError, TextConfig, import_object
+from headrace.config import ConfigError, TextConfig
+from headrace.configtree import import_object
+from headrace.text.checkpoint import (
+    checkpoint_of,
+    checkpoint_tokenizer,
+    names_checkpoint,
+    with_template,
+)
 from headrace.text.episode import EpisodeBuilder
-from headrace.text.tokenizers import BOS, EOS, Tokenizer, TokenizerError, for_vocabulary
+from headrace.text.jinja_render import JinjaRenderer
+from headrace.text.jinja_template import JinjaChatTemplate
+from headrace.text.tokenizers import Tokenizer, TokenizerError, for_vocabulary
 from headrace.types import ROLES
 
 ROLE_TOKENS = {role: f"<|{role}|>" for role in ROLES}
@@ -77,11 +93,17 @@ TEMPLATES: dict[str, ChatTemplate] = {"plain": PLAIN, "chat": CHAT}
 
 
 def resolve(name: str) -> ChatTemplate:
-    """The template for a built-in name or `module:NAME` (a `ChatTemplate` instance).
+    """The template for a built-in name or `module:NAME` (a `ChatTemplate` instance); `auto`
+    without a checkpoint is `plain`.
 
     Raises:
       ConfigError: unknown name, module not importable, or the object is not a ChatTemplate.
     """
+    if name == "auto":
+        return PLAIN
+    if name.endswith(".jinja"):
+        raise ConfigError(f"text.template={name!r}: a Jinja template needs a checkpoint's "
+                          "tokenizer (model.init_from: hf:DIR or gguf:FILE)")
     if name in TEMPLATES:
         return TEMPLATES[name]
     if ":" not in name:
@@ -101,16 +123,39 @@ def from_config(config: TextConfig) -> ChatTemplate:
                                observation_role=config.observation_role)
 
 
+def template_name(config: TextConfig, init_from: str = "") -> str:
+    """The template a run renders with, by name (`auto` resolved: the checkpoint's, or plain;
+    `init_from` may be a run folder, see `checkpoint_of`)."""
+    checkpoint = checkpoint_of(init_from)
+    if config.template == "auto":
+        return f"auto:{checkpoint}" if checkpoint else "plain"
+    return config.template
+
+
 def make_tokenizer(vocabulary: Sequence[str] | None,
-                   config: TextConfig | None = None) -> Tokenizer:
+                   config: TextConfig | None = None, init_from: str = "") -> Tokenizer:
     """The tokenizer for an environment's vocabulary, with the configured template's special
-    tokens reserved and the template attached.
+    tokens reserved and the template attached; with a checkpoint (`init_from` hf: or gguf:), the
+    checkpoint's tokenizer with its Jinja template (`headrace.text.checkpoint`).
 
     Raises:
-      ConfigError: a bad template name, or a system prompt the tokenizer cannot encode (a word
-        outside a closed vocabulary).
+      ConfigError: a bad template name, a system prompt the tokenizer cannot encode (a word
+        outside a closed vocabulary), a checkpoint with an environment of closed vocabulary, or a
+        checkpoint tokenizer or template that cannot be built.
     """
-    template = from_config(config or TextConfig())
+    config = config or TextConfig()
+    init_from = checkpoint_of(init_from)  # a run folder: the checkpoint it started from, if any
+    if names_checkpoint(init_from):
+        if vocabulary is not None:
+            raise ConfigError(f"model.init_from={init_from!r}: the environment declares a closed "
+                              "vocabulary (one token per word), which a checkpoint's tokenizer "
+                              "does not have; use an open-text environment")
+        return with_template(checkpoint_tokenizer(init_from), config)
+    if config.tools:
+        raise ConfigError(f"text.tools={config.tools!r}: tool definitions are rendered by a "
+                          "checkpoint's Jinja chat template (model.init_from: hf:DIR or "
+                          "gguf:FILE); the built-in templates have no tool syntax")
+    template = from_config(config)
     tokenizer = for_vocabulary(vocabulary, template.special_tokens, template)
     try:
         tokenizer.encode(template.system)
@@ -120,9 +165,17 @@ def make_tokenizer(vocabulary: Sequence[str] | None,
     return tokenizer
 
 
-def template_of(tokenizer: Tokenizer) -> ChatTemplate:
+def template_of(tokenizer: Tokenizer) -> ChatTemplate | JinjaChatTemplate:
     """The template a tokenizer carries (plain when it carries none)."""
     return getattr(tokenizer, "template", None) or PLAIN
+
+
+def make_renderer(tokenizer: Tokenizer, template: ChatTemplate | JinjaChatTemplate | None = None):
+    """The renderer of one episode for the tokenizer's template (or `template`)."""
+    template = template or template_of(tokenizer)
+    if isinstance(template, JinjaChatTemplate):
+        return JinjaRenderer(tokenizer, template)
+    return EpisodeRenderer(tokenizer, template)
 
 
 class EpisodeRenderer:
@@ -134,6 +187,8 @@ class EpisodeRenderer:
     a closed vocabulary); ValueError when turns come in an impossible order (generated tokens
     without a prompt under a role-token template).
     """
+
+    mismatches: tuple = ()  # a built-in template always renders incrementally
 
     def __init__(self, tokenizer: Tokenizer, template: ChatTemplate | None = None):
         self.tokenizer = tokenizer
@@ -149,14 +204,14 @@ class EpisodeRenderer:
         """The tokens of a non-generated turn: header, content, end of turn."""
         t = self.template
         header = [self._role_ids[role]] if t.role_tokens else []
-        closer = [EOS] if t.end_of_turn else []
+        closer = [self.tokenizer.end_of_turn_id] if t.end_of_turn else []
         return header + [int(x) for x in self.tokenizer.encode(text)] + closer
 
     def _close_generated(self) -> None:
         """Ends a generated turn the sampler did not end with <eos> (template tokens, mask 0)."""
         if self.template.end_of_turn and self.builder.last_generated() \
-                and self.builder.tokens[-1] != EOS:
-            self.builder.extend([EOS])
+                and self.builder.tokens[-1] != self.tokenizer.end_of_turn_id:
+            self.builder.extend([self.tokenizer.end_of_turn_id])
 
     def add_observation(self, text: str, first: bool = False, role: str | None = None) -> None:
         """Appends an environment observation as a turn.
@@ -171,7 +226,7 @@ class EpisodeRenderer:
         if first:
             if self.builder.length:
                 raise ValueError("the first observation must come first")
-            prefix = [BOS] if t.bos else []
+            prefix = [self.tokenizer.bos_id] if t.bos else []
             if t.system:
                 self.builder.open_turn("system", prefix + self._framed("system", t.system))
                 prefix = []

@@ -1,6 +1,6 @@
 """Tokenizers for task vocabularies and raw bytes (JAX-free).
 
-Every tokenizer reserves the same special ids: 0 pad, 1 beginning of sequence, 2 end of turn. A
+These tokenizers reserve the same special ids: 0 pad, 1 beginning of sequence, 2 end of turn. A
 `WordTokenizer` maps each word of an environment's declared vocabulary to one token (so an action
 word is one token); a `ByteTokenizer` covers open text.
 
@@ -10,12 +10,16 @@ move), are reachable only through `special_id` (never produced by `encode`, so o
 cannot forge a role marker) and are dropped by `decode`. Like a Hugging Face tokenizer, a tokenizer
 carries the chat template its special tokens belong to (`template`; None means the plain
 template, see `headrace.text.template`).
+
+Code outside this module reads the special ids from the tokenizer (`pad_id`, `bos_id`, `eos_id`,
+`end_of_turn_id`, `stop_ids`), never as constants: a checkpoint's tokenizer
+(`headrace.text.hf_tokenizer.HFTokenizer`) has its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,6 +30,14 @@ SPECIALS = ("<pad>", "<bos>", "<eos>")
 class TokenizerError(ValueError):
     """Text the tokenizer cannot encode (a word outside a closed vocabulary), or an unknown
     special token."""
+
+
+class _FixedIds:
+    """The special ids every small tokenizer shares (the tokenizer protocol's names for them)."""
+
+    pad_id, bos_id, eos_id = PAD, BOS, EOS
+    end_of_turn_id = EOS  # what a generated turn ends with
+    stop_ids = (EOS,)  # ids that end generation
 
 
 class _Specials:
@@ -50,7 +62,7 @@ class _Specials:
                                  f"{', '.join(SPECIALS + self.names)})") from None
 
 
-class WordTokenizer:
+class WordTokenizer(_FixedIds):
     """One token per whitespace-separated word of a closed vocabulary."""
 
     def __init__(self, vocabulary: Sequence[str], extra_specials: Sequence[str] = (),
@@ -89,7 +101,7 @@ class WordTokenizer:
         return self._specials.id_of(name)
 
 
-class ByteTokenizer:
+class ByteTokenizer(_FixedIds):
     """UTF-8 bytes, offset past the special ids."""
 
     offset = len(SPECIALS)
@@ -121,7 +133,30 @@ class ByteTokenizer:
         return self._specials.id_of(name)
 
 
-Tokenizer = WordTokenizer | ByteTokenizer
+class Tokenizer(Protocol):
+    """What the actor, the renderers, the sampler settings and `headrace sft` use of a tokenizer:
+    `WordTokenizer`, `ByteTokenizer`, and a checkpoint's `headrace.text.hf_tokenizer.HFTokenizer`
+    (which adds `encode_markup` / `decode_markup` for template-rendered text)."""
+
+    pad_id: int
+    bos_id: int | None
+    eos_id: int | None
+    end_of_turn_id: int | None
+    template: Any  # the chat template it carries (None: plain)
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]: ...
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def ids_of(self, words: Sequence[str]) -> tuple[int, ...]: ...
+
+    def special_id(self, name: str) -> int: ...
 
 
 def for_vocabulary(vocabulary: Sequence[str] | None, extra_specials: Sequence[str] = (),

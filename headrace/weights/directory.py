@@ -21,12 +21,15 @@ After the pointer moves, versions older than the newest `keep` are pruned: each 
 to `.gone-*` (atomic, so a reader sees it either whole or absent) and then deleted.
 
 Loading (any number of processes and threads) reads the manifest and the files and checks every
-array's size and crc32. A version that was pruned, is being pruned, or was never published raises
-`VersionGone`; a file whose bytes do not match its manifest raises `CorruptWeights`.
+array's size and crc32. A manifest's file names must be plain names inside the version folder
+(no absolute path, no `..`, no separator; a symbolic link is not followed). A version that was
+pruned, is being pruned, or was never published raises `VersionGone`; a file whose bytes do not
+match its manifest raises `CorruptWeights`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pathlib
@@ -38,31 +41,43 @@ import uuid
 import zlib
 from collections.abc import Mapping
 
-import ml_dtypes
 import numpy as np
 
 from headrace.config import WeightsConfig
+from headrace.rundir import RunDir
 from headrace.weights.base import Params, VersionGone, WeightStore
+from headrace.weights.format import (
+    DTYPES,
+    FORMAT,
+    CorruptWeights,
+    as_host_array,
+    check_params,
+    check_version,
+)
 from headrace.weights.memory import MemoryWeightStore
 
-FORMAT = 1
 POINTER = "LATEST"
 PICKUPS = "pickups"  # one file per version: when an actor first sampled with it
 MANIFEST = "manifest.json"
 _STAGING_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".gone-"
 
-# Every dtype a parameter may have, by the name the manifest records.
-_DTYPES: dict[str, np.dtype] = {
-    name: np.dtype(name)
-    for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-                 "uint64", "float16", "float32", "float64")
-}
-_DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
 
 
-class CorruptWeights(ValueError):
-    """A published version's files do not match its manifest (bit rot, truncation, tampering)."""
+def _check_file_name(directory: pathlib.Path, file: object, name: str) -> None:
+    """Refuses a manifest's file name that could reach outside its version folder: not a plain,
+    single path component (absolute, `..`, `.`, a separator, a NUL byte, empty).
+
+    Raises:
+      CorruptWeights: the name, the parameter and the manifest it came from.
+    """
+    plain = (isinstance(file, str) and file not in ("", ".", "..") and "/" not in file
+             and "\\" not in file and "\0" not in file and not os.path.isabs(file))
+    if not plain:
+        raise CorruptWeights(f"{directory / MANIFEST}: parameter {name!r} names the file "
+                             f"{file!r}, which is not a plain file name inside {directory} "
+                             "(absolute paths, '..' and separators are refused); the manifest "
+                             "is forged or corrupt: republish the version")
 
 
 def _fsync_dir(path: pathlib.Path) -> None:
@@ -80,17 +95,6 @@ def _write_file(path: pathlib.Path, data, fsync: bool) -> None:
         f.flush()
         if fsync:
             os.fsync(f.fileno())
-
-
-def _as_host_array(path: str, value) -> np.ndarray:
-    """`value` as a C-contiguous, native-order NumPy array of a supported dtype."""
-    array = np.asarray(value)  # a jax.Array is copied to the host here (a device sync)
-    if array.dtype.name not in _DTYPES:
-        raise ValueError(f"parameter {path!r} has dtype {array.dtype}; supported dtypes are "
-                         f"{', '.join(sorted(_DTYPES))}: cast it before publishing")
-    if not array.dtype.isnative:
-        array = array.astype(array.dtype.newbyteorder("="))
-    return np.ascontiguousarray(array).reshape(array.shape)
 
 
 class DirWeightStore(WeightStore):
@@ -230,19 +234,27 @@ class DirWeightStore(WeightStore):
 
     def _read_array(self, directory: pathlib.Path, version: int, record: dict) -> np.ndarray:
         try:
-            dtype = _DTYPES[record["dtype"]]
+            dtype = DTYPES[record["dtype"]]
             shape = tuple(int(n) for n in record["shape"])
             file, nbytes, crc = record["file"], int(record["nbytes"]), int(record["crc32"])
             name = record["path"]
         except (KeyError, TypeError, ValueError):
             raise CorruptWeights(f"{directory / MANIFEST} has a malformed array record "
                                  f"{str(record)[:120]}; republish the version") from None
+        _check_file_name(directory, file, name)
         array = np.empty(shape, dtype)
         if array.nbytes != nbytes:
             raise CorruptWeights(f"{directory / MANIFEST}: parameter {name!r} claims {nbytes} "
                                  f"bytes for {record['dtype']}{list(shape)}")
         flat = array.reshape(-1).view(np.uint8)
-        with open(directory / file, "rb") as f:
+        try:  # O_NOFOLLOW: a symbolic link planted in the version folder is not followed out
+            fd = os.open(directory / file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as error:
+            if error.errno != errno.ELOOP:
+                raise
+            raise CorruptWeights(f"weights version {version}: {directory / file} (parameter "
+                                 f"{name!r}) is a symbolic link; republish the version") from None
+        with os.fdopen(fd, "rb") as f:
             read = f.readinto(flat)
             extra = f.read(1)
         if read != nbytes or extra:
@@ -269,16 +281,9 @@ class DirWeightStore(WeightStore):
           OSError: the filesystem failed; the previous version stays current.
         """
         start = time.perf_counter()
-        if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
-            raise ValueError(f"version must be an int, got {version!r}")
-        version = int(version)
-        if not isinstance(params, Mapping) or not params:
-            raise ValueError("params must be a non-empty mapping of dotted path -> array")
-        arrays = []
-        for path, value in params.items():
-            if not isinstance(path, str) or not path:
-                raise ValueError(f"parameter name {path!r} must be a non-empty string")
-            arrays.append((path, _as_host_array(path, value)))
+        version = check_version(version)
+        check_params(params)
+        arrays = [(path, as_host_array(path, value)) for path, value in params.items()]
         with self._publish_lock:
             latest = self.latest_version()
             if version <= latest:
@@ -373,5 +378,11 @@ def from_config(config: WeightsConfig, run_dir: str | os.PathLike, keep: int) ->
     if config.backend == "memory":
         return MemoryWeightStore(keep=keep)
     if config.backend == "dir":
-        return DirWeightStore(config.path or pathlib.Path(run_dir) / "weights", keep=keep)
-    raise ValueError(f"weights.backend={config.backend!r}: one of dir, memory")
+        return DirWeightStore(config.path or pathlib.Path(run_dir) / RunDir.WEIGHTS, keep=keep)
+    if config.backend == "redis" and config.url:  # the run's own server: build.make_weights
+        from headrace.weights.redis_store import RedisWeightStore, chunk_bytes_for
+
+        return RedisWeightStore(config.url, pathlib.Path(run_dir).name, keep=keep,
+                                chunk_bytes=chunk_bytes_for(config.chunk_mib))
+    raise ValueError(f"weights.backend={config.backend!r}: one of dir, memory, or redis with "
+                     "weights.url")

@@ -5,7 +5,6 @@ import time
 
 import pytest
 
-from headrace.actor.actor import Actor
 from headrace.buffer.admission import AdmissionLimits, InProcessAdmission
 from headrace.buffer.memory import MemoryBuffer
 from headrace.config import ConfigError, load
@@ -31,8 +30,7 @@ def test_errors_and_timeouts_end_episodes_not_the_actor():
     metrics, stop = Metrics(), threading.Event()
     sampler = build.make_sampler(config, task, graphdef, seed=0, acting=True)
     assert sampler.episodes == 8  # failed episodes must give their kept caches back
-    actor = Actor(config, "a0", task.make_env, task.tokenizer, sampler, buffer, weights, metrics,
-                  stop)
+    actor = build.make_actor(config, task, "a0", sampler, buffer, weights, metrics, stop)
     thread = threading.Thread(target=actor.run)
     thread.start()
     try:
@@ -101,9 +99,8 @@ def test_waiting_slots_queue_and_only_the_first_polls_admission():
     admission = CountingAdmission(AdmissionLimits.from_config(config), counts=buffer.counts)
     admission.learner_update(version=10, since_publish=0, handled=0, step_s=0.1)  # v0 too old
     metrics, stop = Metrics(), threading.Event()
-    actor = Actor(config, "a0", task.make_env, task.tokenizer,
-                  build.make_sampler(config, task, graphdef, seed=0), buffer, weights, metrics,
-                  stop, admission)
+    actor = build.make_actor(config, task, "a0", build.make_sampler(config, task, graphdef, seed=0),
+                             buffer, weights, metrics, stop, admission=admission)
     thread = threading.Thread(target=actor.run)
     thread.start()
     try:

@@ -1,12 +1,13 @@
 """The sampler probe plays episodes in lockstep, one timed call per turn of each row count, in a
 child set up as an actor, with and without kept caches (with more probed rows than the config's
-slots: the child gives itself one per row); then runs an actor at a light and a heavy load."""
+slots: the child gives itself one per row); then runs an actor at a light and a heavy load, each
+of whose policy calls serves between one turn and one per environment."""
 
 import numpy as np
 import pytest
 
-from headrace.audit import probe
 from headrace.config import load
+from headrace.runtime import probe
 
 
 @pytest.mark.timeout(240)
@@ -27,5 +28,9 @@ def test_probe_times_every_turn_of_each_row_count(tmp_path, keep_cache):
     assert rows == [r for r in (1, 8, 32) for _ in range(2 * len(lengths))]  # max_batch 64
     assert np.all(probed.calls[:, 1] > 0)
     assert probed.turns.shape == (2, 3) and np.all(probed.turns > 0)
-    light, heavy = probed.turns[:, 0] / probed.turns[:, 1]  # rows per call
-    assert heavy > light  # the heavy load's fast environments batch more rows per call
+    # The mechanism, not a rate: at each load every policy call served at least one turn and at
+    # most one per environment of that load (which of the two loads batches more rows per call
+    # depends on how loaded the machine is: a slow call lets more rows gather).
+    rows_per_call = probed.turns[:, 0] / probed.turns[:, 1]
+    envs = np.array([envs for envs, _ in probe.TURN_LOADS], np.float64)
+    assert np.all(rows_per_call >= 1) and np.all(rows_per_call <= envs), rows_per_call

@@ -11,8 +11,8 @@ import pytest
 from headrace.actor.actor import traced
 from headrace.audit import audit, probe
 from headrace.audit.hint import sizing_hint
-from headrace.audit.traces import GROUP_STAGES
 from headrace.config import load, replace
+from headrace.metrics.traces import GROUP_STAGES
 from headrace.weights.directory import DirWeightStore
 
 ORDER = ("requested", "admitted", "started", "finished", "put", "got", "gated", "train_started",
@@ -21,8 +21,8 @@ ORDER = ("requested", "admitted", "started", "finished", "put", "got", "gated", 
 
 def tiny(run_dir, **run):
     return load(data={
-        "run": {"dir": str(run_dir), "max_steps": 8, "eval_every": 0, "log_every": 1,
-                "trace_rate": 1.0, **run},
+        "run": {"dir": str(run_dir), "launcher": "threads", "max_steps": 8, "eval_every": 0,
+                "log_every": 1, "trace_rate": 1.0, **run},
         "env": {"name": "guess_number", "kwargs": {"n": 8, "max_turns": 3}},
         "model": {"max_len": 64},
         "sampling": {"max_new_tokens": 1, "constrain_to_actions": True},

@@ -4,6 +4,9 @@ A `Harness` hides the few things a test cannot do the same way on both backends:
 consumer (memory: `restart_consumer()`; Redis: a new `RedisBuffer` with the same consumer name),
 reaching the consumer that claims idle entries (memory: the same buffer; Redis: another consumer)
 and planting raw bytes (memory: `put_raw`; Redis: a raw XADD).
+
+`sharded` is the Redis backend over two shards on one server (`headrace.buffer.sharded`): the
+client writes to the shard its name hashes to and reads both, so it must keep the same contract.
 """
 
 from __future__ import annotations
@@ -11,15 +14,19 @@ from __future__ import annotations
 import threading
 import time
 
+import msgpack
 import pytest
 
 from headrace.buffer import BufferFull, MemoryBuffer
-from headrace.buffer.redis_stream import FIELD, RedisBuffer
+from headrace.buffer.redis_stream import FIELD, GROUP, RedisBuffer
+from headrace.buffer.serialize import QUARANTINE_REASONS, encode
+from headrace.buffer.sharded import ShardedBuffer
 
 STATS_KEYS = {
     "buffer/depth", "buffer/pending", "buffer/ingest_per_s", "buffer/consume_per_s",
     "buffer/put_ms_p50", "buffer/put_ms_p99", "buffer/get_ms_p99", "buffer/put_blocked_s",
     "buffer/redelivered", "buffer/quarantined",
+    *(f"buffer/quarantined_{reason}" for reason in QUARANTINE_REASONS),
 }
 
 
@@ -42,10 +49,25 @@ class Harness:
         self._opened.append(buffer)
         return buffer
 
-    def _redis(self, consumer: str) -> RedisBuffer:
-        buffer = RedisBuffer(self._url, run_id=self._run_id, consumer=consumer, **self._params)
+    def _redis(self, consumer: str) -> RedisBuffer | ShardedBuffer:
+        if self.kind == "sharded":
+            from headrace.buffer.sharded import shard_of
+
+            shards = [RedisBuffer(self._url, run_id=self._run_id, consumer=consumer, shard=i,
+                                  **self._params) for i in range(2)]
+            buffer = ShardedBuffer(shards, write=shard_of(consumer, 2), read=[0, 1])
+        else:
+            buffer = RedisBuffer(self._url, run_id=self._run_id, consumer=consumer,
+                                 **self._params)
         self._opened.append(buffer)
         return buffer
+
+    @staticmethod
+    def _stream(buffer) -> tuple[RedisBuffer, str]:
+        """The Redis stream entries are written to, and the prefix of their ids."""
+        if isinstance(buffer, ShardedBuffer):
+            return buffer.shards[buffer.write], f"{buffer.write}/"
+        return buffer, ""
 
     def restart(self, buffer):
         """The same consumer, restarted: its unacknowledged entries come back."""
@@ -62,9 +84,32 @@ class Harness:
     def plant(self, buffer, data: bytes) -> str:
         if self.kind == "memory":
             return buffer.put_raw(data)
+        shard, prefix = self._stream(buffer)
         client = self._request.getfixturevalue("redis_server").client()
         try:
-            return client.xadd(buffer.stream_key, {FIELD: data}).decode()
+            return prefix + client.xadd(shard.stream_key, {FIELD: data}).decode()
+        finally:
+            client.close()
+
+    def quarantined(self, buffer) -> dict[str, tuple[bytes, str]]:
+        """id -> (bytes, reason) of every quarantined entry, as kept by the backend."""
+        if self.kind == "memory":
+            return {i: (data, reason) for i, (data, reason, _) in buffer.quarantined.items()}
+        shard, prefix = self._stream(buffer)
+        client = self._request.getfixturevalue("redis_server").client()
+        try:
+            return {prefix + f[b"id"].decode(): (f[b"group"], f[b"kind"].decode())
+                    for _, f in client.xrange(shard.quarantine_key)}
+        finally:
+            client.close()
+
+    def hold_raw(self, buffer, count: int) -> None:
+        """Delivers `count` entries to the buffer's consumer without decoding them, as a learner
+        that died on an entry leaves them (Redis; the memory buffer decodes as it delivers)."""
+        shard, _ = self._stream(buffer)
+        client = self._request.getfixturevalue("redis_server").client()
+        try:
+            client.xreadgroup(GROUP, buffer.consumer, {shard.stream_key: ">"}, count=count)
         finally:
             client.close()
 
@@ -73,7 +118,7 @@ class Harness:
             buffer.close()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "sharded"])
 def harness(request):
     h = Harness(request.param, request)
     try:
@@ -288,3 +333,78 @@ def test_concurrent_writers_never_exceed_capacity_and_lose_nothing(harness, make
         w.join(5)
     assert max_depth <= 5
     assert sorted(seen) == sorted(written) and len(set(seen)) == 30
+
+
+def _bad_value(group, path: tuple, value) -> bytes:
+    """The group's bytes with one field set to `value`."""
+    record = msgpack.unpackb(encode(group), raw=False)
+    node = record
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return msgpack.packb(record, use_bin_type=True)
+
+
+BAD_VALUES = [  # (path, value, reason); each crashed or poisoned the learner before
+    (("group", "put_version"), float("inf"), "non_finite"),  # killed the reader thread
+    (("trajectories", 0, "reward"), "abc", "type"),  # crashed the batcher
+    (("trajectories", 0, "timings"), {"started": float("nan")}, "non_finite"),
+]
+
+
+@pytest.mark.timeout(20)
+def test_bad_values_are_quarantined_by_reason_and_kept(harness, make_group):
+    buffer = harness.make()
+    before = buffer.put([make_group(0)], timeout_s=1)
+    bad = {harness.plant(buffer, _bad_value(make_group(9 + k), path, value)): reason
+           for k, (path, value, reason) in enumerate(BAD_VALUES)}
+    after = buffer.put([make_group(1)], timeout_s=1)
+    entries = []
+    while len(entries) < 2:
+        entries += buffer.get(10, timeout_s=1)
+    assert ids_of(entries) == before + after
+    kept = harness.quarantined(buffer)
+    assert {i: reason for i, (_, reason) in kept.items()} == bad  # moved aside, not lost
+    assert all(data.startswith(b"\x83") for data, _ in kept.values())  # the bytes, as written
+    stats = buffer.stats()
+    assert stats["buffer/quarantined"] == 3
+    assert stats["buffer/quarantined_non_finite"] == 2 and stats["buffer/quarantined_type"] == 1
+    buffer.ack(ids_of(entries))
+    restarted = harness.restart(buffer)
+    assert restarted.get(10, timeout_s=0.3) == [] and restarted.depth() == 0  # never redelivered
+
+
+@pytest.mark.timeout(20)
+def test_a_consumer_quarantines_a_delivered_entry_and_it_never_comes_back(harness, make_group):
+    buffer = harness.make(claim_idle_s=0.2)
+    ids = buffer.put([make_group(0), make_group(1)], timeout_s=1)
+    entries = buffer.get(2, timeout_s=1)
+    buffer.quarantine(ids[0], "token_id", "token id 70 >= the model's vocabulary 64")
+    buffer.quarantine(ids[0], "token_id", "again")  # idempotent
+    assert buffer.pending() == 1
+    kept = harness.quarantined(buffer)
+    assert kept == {ids[0]: (encode(entries[0].group), "token_id")}
+    stats = buffer.stats()
+    assert stats["buffer/quarantined"] == 1 and stats["buffer/quarantined_token_id"] == 1
+    time.sleep(0.3)  # past claim_idle_s: only the other entry may come back
+    claimed = harness.claimer(buffer).get(10, timeout_s=1)
+    assert ids_of(claimed) == ids[1:]
+
+
+@pytest.mark.timeout(20)
+def test_a_poison_entry_left_pending_is_quarantined_when_the_consumer_restarts(harness,
+                                                                                make_group):
+    """A learner that died holding a bad entry: its restart re-reads the entry and quarantines
+    it instead of dying on it again (the memory buffer never hands one out undecoded)."""
+    if harness.kind == "memory":
+        pytest.skip("the memory buffer decodes as it delivers: nothing is held undecoded")
+    buffer = harness.make()
+    bad = harness.plant(buffer, _bad_value(make_group(9), ("group", "put_version"),
+                                           float("inf")))
+    good = buffer.put([make_group(1)], timeout_s=1)
+    harness.hold_raw(buffer, 2)  # both pending at this consumer, as the dead learner left them
+    restarted = harness.restart(buffer)
+    entries = restarted.get(10, timeout_s=1)
+    assert ids_of(entries) == good and entries[0].delivery_count == 2
+    assert set(harness.quarantined(restarted)) == {bad}
+    assert restarted.pending() == 1

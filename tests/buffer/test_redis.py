@@ -4,7 +4,6 @@ crashes of Redis, lost connections, lost replies, process lifetime, and the benc
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -377,9 +376,8 @@ def find_redis_server_or_skip() -> None:
 @pytest.mark.timeout(120)
 def test_buffer_benchmark_quick_json_prints_one_object_with_every_key(capsys):
     find_redis_server_or_skip()
-    spec = importlib.util.spec_from_file_location("bench_buffer", REPO / "benchmarks/buffer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from headrace.benchmarks import buffer as module
+
     assert module.main(["--quick", "--json"]) == 0
     out = capsys.readouterr().out
     result = json.load(io.StringIO(out))
@@ -391,3 +389,66 @@ def test_buffer_benchmark_quick_json_prints_one_object_with_every_key(capsys):
         assert result[side]["throughput_per_s"] > 0
         assert all(isinstance(result[side][k], float) for k in keys)
     assert result["ratio"] > 0
+
+
+@pytest.mark.timeout(30)
+def test_processes_of_one_learner_never_claim_each_others_entries(redis_server, run_id,
+                                                                  make_group):
+    """Two learner processes hold entries until their checkpoint, however long: a peer never
+    claims them after claim_idle_s (it would train them a second time). An orphan's entries (a
+    consumer of an earlier layout, not a peer) are still claimed."""
+    names = ["learner-0", "learner-1"]
+    a, b, orphan = (RedisBuffer(redis_server.url, run_id=run_id, consumer=name, claim_idle_s=0.2)
+                    for name in (*names, "learner-2"))
+    try:
+        for buffer in (a, b):
+            buffer.share_with(names)
+        ids = a.put([make_group(i) for i in range(3)], timeout_s=1)
+        assert [e.id for e in a.get(1, timeout_s=1)] == ids[:1]  # held by a peer
+        assert [e.id for e in orphan.get(1, timeout_s=1)] == ids[1:2]  # held by an orphan
+        time.sleep(0.5)  # both idle past claim_idle_s
+        got = []
+        deadline = time.monotonic() + 5
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += b.get(10, timeout_s=0.5)
+        assert sorted(e.id for e in got) == ids[1:]  # the orphan's and the new one; not a's
+        assert {e.id: e.delivery_count for e in got}[ids[1]] == 2
+        assert b.get(10, timeout_s=0.6) == []  # a's entry stays a's
+        a.ack(ids[:1])
+        b.ack(ids[1:])
+        assert a.pending() == 0
+    finally:
+        a.drop()
+        for buffer in (a, b, orphan):
+            buffer.close()
+
+
+@pytest.mark.timeout(20)
+def test_a_quarantined_bad_value_keeps_the_group_id_for_the_accounting(redis_server, run_id,
+                                                                      make_group):
+    """A group written with a bad value (a NaN reward) is still that group: its quarantine record
+    names it, so the accounting identity counts it as quarantined, not missing."""
+    import msgpack
+
+    from headrace.buffer.serialize import encode
+    from headrace.runtime.accounting import _stream_groups
+
+    record = msgpack.unpackb(encode(make_group(4)), raw=False)
+    record["trajectories"][0]["reward"] = float("nan")
+    buffer = RedisBuffer(redis_server.url, run_id=run_id, consumer="learner-0")
+    try:
+        bad = buffer.put_raw(msgpack.packb(record, use_bin_type=True))
+        garbage = buffer.put_raw(b"\xc1")
+        assert buffer.get(10, timeout_s=0.3) == []
+        client = redis_server.client()
+        try:
+            named = _stream_groups(client, buffer.quarantine_key, id_field=b"id")
+        finally:
+            client.close()
+        assert named == {bad: "g4", garbage: None}
+        stats = buffer.stats()
+        assert stats["buffer/quarantined_non_finite"] == 1
+        assert stats["buffer/quarantined_undecodable"] == 1
+    finally:
+        buffer.drop()
+        buffer.close()

@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from headrace.buffer.serialize import MalformedEntry, decode, encode
+from headrace.buffer.serialize import QUARANTINE_REASONS, MalformedEntry, check_tokens, decode, encode
 from headrace.types import SCHEMA_VERSION, Group, Trajectory, Turn
 
 
@@ -156,3 +156,78 @@ def test_corrupted_bytes_decode_or_raise_malformed_only():
         except MalformedEntry:
             continue
         group.validate()
+
+
+# --- values, not only structure: each defect is MalformedEntry with its reason -------------------
+
+
+def _with_array(index: int, name: str, values, dtype: str) -> bytes:
+    array = np.asarray(values, dtype=dtype)
+    return _mutate(("trajectories", index, name), [dtype, list(array.shape), array.tobytes()])
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("path,value,reason", [
+    (("group", "put_version"), INF, "non_finite"),  # int(inf) raised OverflowError before
+    (("group", "put_version"), NAN, "non_finite"),
+    (("group", "put_version"), 1.5, "type"),
+    (("group", "put_version"), True, "type"),
+    (("group", "put_version"), -2, "range"),
+    (("group", "put_version"), 2**40, "range"),
+    (("group", "group_id"), 7, "type"),
+    (("group", "extra"), 1, "schema"),
+    (("trajectories", 0, "reward"), "abc", "type"),  # crashed the batcher before
+    (("trajectories", 0, "reward"), NAN, "non_finite"),
+    (("trajectories", 0, "reward"), -INF, "non_finite"),
+    (("trajectories", 0, "reward"), None, "type"),
+    (("trajectories", 0, "reward"), False, "type"),
+    (("trajectories", 0, "turns"), [[0, 2, "assistant", NAN]], "non_finite"),
+    (("trajectories", 0, "turns"), [[0, 2.0, "assistant", 1.0]], "type"),
+    (("trajectories", 0, "timings"), {"started": INF}, "non_finite"),
+    (("trajectories", 0, "timings"), {"started": "soon"}, "type"),
+    (("trajectories", 0, "timings"), [1.0], "type"),
+    (("trajectories", 0, "schema_version"), 2, "range"),
+    (("trajectories", 0, "error"), 3, "type"),
+    (("trajectories", 0, "sampling"), "hot", "type"),
+])
+def test_bad_values_are_malformed_with_their_reason(path, value, reason):
+    with pytest.raises(MalformedEntry) as caught:
+        decode(_mutate(path, value))
+    assert caught.value.reason == reason, str(caught.value)
+
+
+@pytest.mark.parametrize("name,values,dtype,reason", [
+    ("behaviour_logprobs", [0, 0, NAN, -1.5, 0], "<f4", "non_finite"),
+    ("behaviour_logprobs", [0, 0, -INF, -1.5, 0], "<f4", "non_finite"),
+    ("tokens", [5, 9, -3, 7, 1], "<i4", "token_id"),
+    ("policy_version", [-1, -1, -7, 5, -1], "<i4", "range"),
+    ("tokens", [5, 9, 2, 7], "<i4", "shape"),  # 4 tokens, 5 of everything else
+    ("tokens", [5, 9, 2, 7, 1], "<f4", "type"),  # floats where ids belong
+])
+def test_bad_arrays_are_malformed_with_their_reason(name, values, dtype, reason):
+    with pytest.raises(MalformedEntry) as caught:
+        decode(_with_array(0, name, values, dtype))
+    assert caught.value.reason == reason, str(caught.value)
+
+
+def test_token_ids_are_checked_against_the_vocabulary():
+    group = decode(encode(full_group()))  # ids up to 9
+    check_tokens(group, 10)
+    with pytest.raises(MalformedEntry, match="id 9 >= the model's vocabulary 9") as caught:
+        check_tokens(group, 9)
+    assert caught.value.reason == "token_id"
+
+
+def test_garbage_reasons_are_undecodable_or_schema():
+    assert _reason(b"\xc1") == "undecodable"
+    assert _reason(encode(full_group())[:-3]) == "undecodable"
+    assert _reason(msgpack.packb({"v": SCHEMA_VERSION + 1})) == "schema"
+    assert all(r in QUARANTINE_REASONS for r in (_reason(b"\xc1"), _reason(b"")))
+
+
+def _reason(data: bytes) -> str:
+    with pytest.raises(MalformedEntry) as caught:
+        decode(data)
+    return caught.value.reason

@@ -28,7 +28,11 @@ def test_example_loads_with_overrides():
     ("sampling.temperature=0", "sampling.temperature=0.0: must be > 0"),
     ("learner.frobnicate=1", "learner.frobnicate: unknown key"),
     ("nosection.key=1", "nosection: unknown key"),
-    ("run.launcher=ray", "run.launcher='ray': the Ray launcher is planned"),
+    ("run.launcher=magic", "run.launcher='magic': one of threads, processes, ray"),
+    ("run.ray_actor_bundle={CPU: 0}", "run.ray_actor_bundle={'CPU': 0.0}: must name at least one "
+     "resource with an amount > 0"),
+    ("run.ray_learner_bundle={GPU: -1, CPU: 1}", "run.ray_learner_bundle={'GPU': -1.0, 'CPU': "
+     "1.0}: must name"),
     ("shapes.buckets=[64, 32]", "shapes.buckets=(64, 32): must be strictly increasing"),
     ("staleness.forced_lag=9", "staleness.forced_lag=9: must be in [0, staleness.max_policy_lag=4]"),
 ])
@@ -68,3 +72,19 @@ def test_cli_unknown_env_exits_2():
     assert result.returncode == 2
     assert "env.name='nosuch.module:Env': cannot import nosuch.module" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_run_wall_clock_starts_at_the_program_start_or_at_the_python_call():
+    """`headrace train` as a program counts `run.max_wall_s` from its process's start (JAX's
+    start-up included); `main([...])` from a long-lived Python process counts from the call (a
+    notebook hours old would otherwise stop every run at once)."""
+    import time
+
+    import psutil
+
+    from headrace import cli
+
+    before = time.time()
+    assert before <= cli._start_time(["train"]) <= time.time()
+    started = psutil.Process().create_time()
+    assert abs(cli._start_time(None) - started) <= 1.0  # both read the kernel's clock ticks

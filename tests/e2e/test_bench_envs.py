@@ -1,4 +1,6 @@
-"""`headrace bench envs --quick --json` runs every example and prints every promised figure."""
+"""`headrace bench envs --quick --json` runs every example and prints every promised figure; each
+quick run stops at its one step with the final evaluation there, and the service's requests add
+up."""
 
 import json
 import subprocess
@@ -25,14 +27,25 @@ def test_quick_bench_reports_every_environment():
             continue
         for key in FIGURES:
             assert key in figures, (name, key)
-        assert figures["steps"] >= 1 and figures["errors"] == [], (name, figures)
-        # steady-state steps/s leaves out steps that compiled: 0 when a quick run had no other
-        assert figures["learner_steps_per_s"] >= 0, (name, figures)
+        # A quick run is one learner step (run.max_steps=1, no periodic evaluation): it stops
+        # there, and its only evaluation is the final one, of that step. (Its steps/s is the
+        # steady state's, which a single step that compiled does not have: rates are the full
+        # benchmark's to report.)
+        assert figures["steps"] == 1 and figures["errors"] == [], (name, figures)
+        assert figures["stopped_by"] == "max_steps", (name, figures)
+        assert figures["eval_curve"] == [[1, figures["final_success_rate"]]], (name, figures)
+        assert figures["episodes"] >= 8, (name, figures)  # at least the trained group's
+        assert 0 < figures["actor_env_s_p50"] <= figures["actor_env_s_p99"], (name, figures)
     calc = envs["tool_calculator"]
     for key in FIGURES:
         assert key in calc["no_tool"], key
     assert calc["tool_gain"] == calc["final_success_rate"] - calc["no_tool_final_success_rate"]
     assert set(calc["sft"]) == {"tool", "no_tool"}
+    for warm in calc["sft"].values():  # quick warm-ups: 20 updates on 64 demonstrations
+        assert warm["steps"] == 20 and warm["demos"] == 64, warm
+        assert [p[0] for p in warm["eval_curve"]] == [0, 20], warm
     lake = envs["gym_frozenlake"]
     assert 0 <= lake["random_success_rate"] < 0.1 and "initial_success_rate" in lake
-    assert envs["http_tool"]["http"]["requests"] > 0  # the policy really called the service
+    http = envs["http_tool"]["http"]
+    assert http["requests"] > 0  # the policy really called the service
+    assert http["requests"] == http["ok"] + http["bad_request"] + http["failed"] + http["dropped"]

@@ -3,7 +3,6 @@ lag_mean, Ctrl-C stops cleanly with partial results, and the figures are compute
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import pathlib
@@ -14,18 +13,18 @@ import time
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-RUN_KEYS = ("lag", "correction", "seed", "final_success_rate", "success_auc", "lag_mean",
+RUN_KEYS = ("lag", "lag_updates", "correction", "seed", "final_success_rate", "success_auc", "lag_mean",
             "dropped_lag", "dropped_age", "is_ess")
-SUMMARY_KEYS = ("lag", "correction", "seeds", "final_success_rate", "success_auc", "lag_mean",
+SUMMARY_KEYS = ("lag", "lag_updates", "correction", "seeds", "final_success_rate_std",
+                "success_auc_std", "final_success_rate_min", "success_auc_max",
+                "final_success_rate", "success_auc", "lag_mean",
                 "is_ess", "dropped_lag", "dropped_age", "final_ratio", "auc_ratio")
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_staleness",
-                                                  ROOT / "benchmarks" / "staleness.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from headrace.benchmarks import staleness
+
+    return staleness
 
 
 bench = _bench_module()
@@ -46,6 +45,7 @@ def test_quick_bench_prints_every_key_and_forced_lag_shows(tmp_path):
         for key in RUN_KEYS:
             assert key in run, (key, run)
         assert run["steps"] == data["settings"]["steps"], run
+        assert run["lag_updates"] == 2 * run["lag"], run  # two optimizer updates per version
         assert 0 <= run["final_success_rate"] <= 1 and 0 <= run["success_auc"] <= 1, run
         assert 0 < run["is_ess"] <= 1 + 1e-6, run
         assert run["dropped_age"] == 0, run  # max_age_s is off
@@ -73,6 +73,8 @@ def test_quick_bench_prints_every_key_and_forced_lag_shows(tmp_path):
         assert isinstance(measured["met"], bool), targets  # (k = 0 may score 0 in 8 steps)
     assert targets["decoupled"]["met"] is None  # not measured in the quick run
     assert json.loads((tmp_path / "result.json").read_text())["runs"] == runs
+    assert data["settings"]["lags_updates"] == [0, 4]
+    assert set(data["largest_kept_lag"]) == {"lag", "lag_updates", "corrections", "threshold"}
 
 
 @pytest.mark.timeout(120)
@@ -172,3 +174,35 @@ def test_an_out_folder_holding_old_runs_is_refused(tmp_path, capsys):
                        "--seeds", "1"])
     assert code == 2
     assert "already holds k0-none-s0" in capsys.readouterr().err
+
+
+def test_spread_and_the_largest_lag_some_correction_keeps():
+    def run(lag, correction, seed, final, auc):
+        return {"lag": lag, "correction": correction, "seed": seed, "final_success_rate": final,
+                "success_auc": auc, "lag_mean": float(lag), "is_ess": 1.0, "dropped_lag": 0,
+                "dropped_age": 0}
+
+    runs = [run(0, "m2po", 0, 0.8, 0.5), run(0, "m2po", 1, 0.6, 0.5),
+            run(4, "m2po", 0, 0.7, 0.5), run(4, "m2po", 1, 0.7, 0.5),
+            run(8, "m2po", 0, 0.7, 0.4), run(8, "m2po", 1, 0.7, 0.4),
+            run(0, "dppo_mask", 0, 0.5, 0.4), run(8, "dppo_mask", 0, 0.5, 0.39),
+            run(16, "dppo_mask", 0, 0.1, 0.1)]
+    rows = bench.summarize(runs)
+    cell = {(r["lag"], r["correction"]): r for r in rows}
+    assert cell[(0, "m2po")]["final_success_rate_std"] == pytest.approx(math.sqrt(0.02))
+    assert cell[(0, "m2po")]["final_success_rate_min"] == 0.6
+    assert cell[(8, "m2po")]["lag_updates"] == 16
+    assert math.isnan(cell[(8, "dppo_mask")]["final_success_rate_std"])  # one seed: no spread
+    kept = bench.largest_kept_lag(rows)
+    # m2po at 8 keeps 1.0 final but 0.8 AUC; dppo_mask keeps 1.0 / 0.975 at 8; nothing at 16
+    assert kept == {"lag": 8, "lag_updates": 16, "corrections": ["dppo_mask"], "threshold": 0.95}
+    assert bench.largest_kept_lag([r for r in rows if r["lag"] in (0, 16)])["lag"] is None
+
+
+def test_lag_updates_become_versions_and_odd_ones_are_refused(capsys):
+    args = bench.parse_args(["--lag-updates", "0,8,32"])
+    assert args.lags == [0, 4, 16]
+    assert bench.parse_args([]).lags == [0, 4, 8, 16]  # 0, 8, 16, 32 updates
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--lag-updates", "3"])
+    assert "multiple of 2" in capsys.readouterr().err

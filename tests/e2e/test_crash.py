@@ -2,7 +2,7 @@
 the accounting identity exactly (real redis-server, real processes, the real command line).
 
 written = trained ∪ dropped (by reason) ∪ quarantined ∪ still in the buffer, with nothing missing,
-nothing trained twice, and the redelivered entries counted (`headrace.runtime.resume.accounting`).
+nothing trained twice, and the redelivered entries counted (`headrace.runtime.accounting.accounting`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import time
 import pytest
 import redis
 
-from headrace.buffer.server import RedisServer, RedisServerError, find_redis_server
-from headrace.runtime.resume import CHECKPOINT_DIR, accounting
+from headrace.buffer.server import SECRETS_FILE, RedisServer, RedisServerError, find_redis_server
+from headrace.rundir import RunDir
+from headrace.runtime.accounting import accounting
 
 CHECKPOINT_EVERY = 3
 MORE_STEPS = 6  # trained by the resumed run after its checkpoint
@@ -75,20 +76,23 @@ def _cmdline(pid: int) -> str:
 
 
 def _redis_pids(run_dir: pathlib.Path) -> set[int]:
-    """redis-server processes serving RUN_DIR/redis (their config file lies there)."""
-    conf = str(run_dir / "redis" / "redis.conf").encode()
-    pids = set()
-    for entry in pathlib.Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and conf in (entry / "cmdline").read_bytes():
-                pids.add(int(entry.name))
-        except OSError:
-            continue
-    return pids
+    """The live redis-server serving RUN_DIR/redis: the pid its pid file names, if that process
+    is a redis-server on the port of RUN_DIR/redis/redis.conf (the server rewrites its command
+    line to `redis-server HOST:PORT`, and a pid file can outlive its process: pids are reused)."""
+    try:
+        pid = int((run_dir / RunDir.REDIS / "redis.pid").read_text().strip())
+        port = next(int(line.split()[1]) for line in
+                    (run_dir / RunDir.REDIS / "redis.conf").read_text().splitlines()
+                    if line.startswith("port "))
+        cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError, StopIteration):
+        return set()
+    ours = b"redis-server" in cmdline and f":{port}\0".encode() in cmdline
+    return _alive({pid}) if ours else set()
 
 
 def _checkpoints(run_dir: pathlib.Path) -> list[int]:
-    directory = run_dir / CHECKPOINT_DIR
+    directory = run_dir / RunDir.CHECKPOINTS
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) \
         if directory.exists() else []
 
@@ -97,10 +101,11 @@ def _pending(run_dir: pathlib.Path) -> int:
     """Delivered, unacknowledged entries in the live run's Redis (0 when unreachable)."""
     try:
         port = next(int(line.split()[1]) for line in
-                    (run_dir / "redis" / "redis.conf").read_text().splitlines()
+                    (run_dir / RunDir.REDIS / "redis.conf").read_text().splitlines()
                     if line.startswith("port "))
         run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
-        client = redis.Redis(port=port, socket_timeout=2)
+        admin = json.loads((run_dir / SECRETS_FILE).read_text())["admin"]  # the run's password
+        client = redis.Redis(port=port, password=admin, socket_timeout=2)
         try:
             return int(client.xpending(f"headrace:{{{run_id}:0}}:groups", "learners")["pending"])
         finally:
@@ -109,12 +114,14 @@ def _pending(run_dir: pathlib.Path) -> int:
         return 0
 
 
-def _kill_everything(pgid: int, run_dir: pathlib.Path) -> None:
-    """Cleanup after a failure: nothing of this test may outlive it."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def _kill_everything(process: subprocess.Popen, run_dir: pathlib.Path) -> None:
+    """Cleanup after a failure: nothing of this test may outlive it. The group is signalled only
+    while its leader is not reaped: a reaped pid (and group id) may already be another's."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     for pid in _redis_pids(run_dir):
         try:
             os.kill(pid, signal.SIGKILL)
@@ -163,7 +170,7 @@ def test_sigkill_then_resume_keeps_the_accounting_identity_exactly(tmp_path, pro
         survivors = _wait_gone(tree, 15)  # redis-server (own session) dies with its parent
         assert not survivors, f"processes outlived the SIGKILL: {survivors}"
     finally:
-        _kill_everything(first.pid, run_dir)
+        _kill_everything(first, run_dir)
         first.wait(10)
     killed_at = max(_checkpoints(run_dir))
 
@@ -177,7 +184,7 @@ def test_sigkill_then_resume_keeps_the_accounting_identity_exactly(tmp_path, pro
         # Nothing is left behind (the resource tracker takes a moment to see its pipe close).
         left = _wait_gone(_members(second.pid) | _redis_pids(run_dir), 10)
     finally:
-        _kill_everything(second.pid, run_dir)
+        _kill_everything(second, run_dir)
         second.wait(10)
     log.close()
     assert second.returncode == 0, (tmp_path / "train.log").read_text()[-3000:]
@@ -186,12 +193,12 @@ def test_sigkill_then_resume_keeps_the_accounting_identity_exactly(tmp_path, pro
     assert not left, [_cmdline(pid) for pid in left]
     record = json.loads((run_dir / "run.json").read_text())
     assert len(record["resumes"]) == 1
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    lines = (run_dir / RunDir.METRICS).read_text().splitlines()
     steps = [json.loads(line)["step"] for line in lines]
     assert steps[0] < killed_at <= steps[-1] == target  # appended to, not replaced
 
     # 3. The accounting identity, by id, on the run's own Redis restarted from its append-only file.
-    with RedisServer(run_dir / "redis") as server:
+    with RedisServer(run_dir / RunDir.REDIS) as server:
         client = server.client()
         try:
             result = accounting(run_dir, client)
@@ -223,7 +230,7 @@ def test_resume_and_fresh_runs_refuse_the_wrong_folder(tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "run.json").write_text(json.dumps({"run_id": "abc", "ledger": False}))
-    (run_dir / "config.yaml").write_text("run: {launcher: processes}\n")
+    (run_dir / RunDir.CONFIG).write_text("run: {launcher: processes}\n")
     assert main(["train", "examples/guess_number.yaml", "--set", f"run.dir={run_dir}",
                  "--set", "run.launcher=processes"]) == 2  # a fresh run must not overwrite it
     assert "already holds a run" in capsys.readouterr().err

@@ -25,7 +25,7 @@ def test_every_builtin_environment_has_an_example():
     from headrace.env.registry import BUILTINS
 
     names = {yaml.safe_load((ROOT / "examples" / f"{e}.yaml").read_text())["env"]["name"]
-             for e in (*EXAMPLES, "guess_number")}
+             for e in (*EXAMPLES, "guess_number", "smollm2_reasoning", "gateway_reasoning")}
     assert set(BUILTINS) <= names
 
 

@@ -25,8 +25,9 @@ from headrace.buffer.redis_stream import RedisBuffer
 from headrace.buffer.serialize import encode
 from headrace.config import load
 from headrace.metrics.remote import metrics_key
+from headrace.rundir import RunDir
 from headrace.runtime import processes
-from headrace.runtime.resume import LEDGER_DIR, RUN_FILE, accounting
+from headrace.runtime.accounting import accounting
 from headrace.types import SCHEMA_VERSION, Group
 from headrace.weights.directory import DirWeightStore
 
@@ -63,8 +64,8 @@ class Injector(threading.Thread):
 
     def run(self) -> None:
         try:
-            run_file = self.run_dir / RUN_FILE
-            weights = DirWeightStore(self.run_dir / "weights")
+            run_file = self.run_dir / RunDir.RUN
+            weights = DirWeightStore(self.run_dir / RunDir.WEIGHTS)
             while not (run_file.exists() and weights.latest_version() >= INJECT_AT_VERSION):
                 if self.stop.wait(0.01):
                     return
@@ -139,14 +140,14 @@ def test_malformed_entries_are_quarantined_and_counted_while_training_continues(
     assert summary["steps"] == MAX_STEPS
     assert injector.version_at_injection < MAX_STEPS
     newest_bad = max(_stream_id(i) for i in injector.ids.values())
-    trained_ids = [i for path in sorted((run_dir / LEDGER_DIR).glob("learner-*.jsonl"))
+    trained_ids = [i for path in sorted((run_dir / RunDir.LEDGER).glob("learner-*.jsonl"))
                    for line in path.read_text().splitlines()
                    if (record := json.loads(line))["kind"] == "trained" for i in record["ids"]]
     assert len(trained_ids) == MAX_STEPS * GROUPS_PER_BATCH
     assert any(_stream_id(i) > newest_bad for i in trained_ids), "nothing trained after them"
 
     # Quarantined: exactly the bad entries, with their bytes and reasons; counted.
-    run_id = json.loads((run_dir / RUN_FILE).read_text())["run_id"]
+    run_id = json.loads((run_dir / RunDir.RUN).read_text())["run_id"]
     client = server.client()
     buffer = RedisBuffer(client, run_id=run_id, consumer="check", ledger=False)
     try:
@@ -160,7 +161,7 @@ def test_malformed_entries_are_quarantined_and_counted_while_training_continues(
         assert buffer.stats()["buffer/quarantined"] == 3
         learner = json.loads(client.hget(metrics_key(run_id), "learner"))
         assert learner["values"]["buffer/quarantined"] == 3  # the learner's own report
-        last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+        last = json.loads((run_dir / RunDir.METRICS).read_text().splitlines()[-1])
         assert last["buffer/quarantined"] == 3 and last["step"] == MAX_STEPS
 
         # The accounting identity, exactly, by group id (bad entries count as `entry:<id>`).

@@ -75,7 +75,7 @@ def test_two_learner_processes_train_checkpoint_and_resume_through_the_superviso
     jax.distributed (coordinator on loopback), each a consumer of the buffer. Stopped by the
     supervisor (SIGTERM, at run.max_wall_s) they agree on the step to stop at and checkpoint
     together; `--resume` carries on from that checkpoint with both processes' counts."""
-    from headrace.runtime.checkpoint import Checkpointer
+    from headrace.learner.checkpoint import Checkpointer
 
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     run_dir = tmp_path / "run"

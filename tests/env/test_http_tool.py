@@ -58,7 +58,7 @@ def test_retries_on_503_and_dropped_connections(service):
     service.inject(drop=1)
     obs, _, _, _, info = env.step("calc: 2+3")
     assert obs == "= 5" and info["retries"] == 1
-    assert "ConnectionResetError" in info["http_error"] or "Incomplete" in info["http_error"]
+    assert info["http_error"].startswith("RemoteProtocolError: Server disconnected")
 
 
 def test_per_request_timeout_then_retry(service):
@@ -153,3 +153,44 @@ def test_bad_arguments_and_registry(service):
     make = env_factory(EnvConfig(name="http_tool", kwargs={"url": service.url, "digits": 1}))
     env = make()
     assert isinstance(env, HttpCalculator) and env.has_astep and env.digits == 1
+
+
+def test_an_oversized_answer_is_refused_not_buffered():
+    """A broken service streaming a huge body: the client stops reading at MAX_BODY_BYTES."""
+    import threading
+
+    from headrace.env.http_tool import MAX_BODY_BYTES
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(5)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 10000000\r\n\r\n")
+            try:
+                for _ in range(100):
+                    conn.sendall(b"x" * 100_000)
+            except OSError:
+                pass  # the client hung up, as it should
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        client = ToolClient(f"http://127.0.0.1:{listener.getsockname()[1]}", retries=0)
+
+        async def call():
+            try:
+                return await client.call("1+1")
+            finally:
+                await client.aclose()
+
+        response = asyncio.run(call())
+    finally:
+        thread.join(10)
+        listener.close()
+    assert not response.ok and response.error == f"answer over {MAX_BODY_BYTES} bytes"
+    assert response.status == 200
+

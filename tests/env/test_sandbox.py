@@ -17,6 +17,10 @@ from headrace.env.python_exec import TASKS, PythonExec, extract_code
 
 pytestmark = pytest.mark.timeout(60)
 
+# A uid range of this test process's own: the machine may run other sandboxes meanwhile (other
+# test processes, a python_exec run) whose processes must not count as this test's leftovers.
+TEST_UIDS = {"uid_base": 1_850_000 + (os.getpid() % 2048) * 16, "uid_count": 16}
+
 
 def _require_sandbox() -> sb.Mechanisms:
     """Skips where the host cannot confine code; fails instead with HEADRACE_REQUIRE_SANDBOX=1
@@ -33,7 +37,7 @@ def _require_sandbox() -> sb.Mechanisms:
 def sandbox() -> sb.Sandbox:
     _require_sandbox()
     return sb.Sandbox(sb.SandboxLimits(wall_s=1.5, cpu_s=2, memory_mb=256, max_procs=8,
-                                       kill_output_bytes=1 << 20, output_bytes=4096))
+                                       kill_output_bytes=1 << 20, output_bytes=4096), **TEST_UIDS)
 
 
 @pytest.fixture
@@ -55,7 +59,8 @@ def open_dir():
 
 
 def _sandbox_processes() -> list[int]:
-    """Pids of processes running under a sandbox uid (there must be none between runs)."""
+    """Pids of processes running under this test process's sandbox uids (there must be none
+    between runs)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -64,7 +69,7 @@ def _sandbox_processes() -> list[int]:
                     uid = int(next(row for row in f if row.startswith("Uid:")).split()[1])
             except (OSError, StopIteration):
                 continue
-            if 1_800_000 <= uid < 1_800_000 + 1024:
+            if TEST_UIDS["uid_base"] <= uid < TEST_UIDS["uid_base"] + TEST_UIDS["uid_count"]:
                 found.append(int(entry))
     return found
 
@@ -177,20 +182,27 @@ def test_infinite_loop_is_killed_at_the_wall_clock_limit(sandbox):
 
 
 @pytest.mark.parametrize("mode", ["cgroup", "rlimit"])
-def test_fork_bomb_is_contained_and_swept(sandbox, mode):
+def test_fork_bomb_is_contained_and_swept(sandbox, mode, monkeypatch):
     mechanisms = sandbox.mechanisms
     if mode == "cgroup" and mechanisms.pids_base is None:
         pytest.skip("no writable pids cgroup on this host")
     if mode == "rlimit":
         mechanisms = sb.Mechanisms(mechanisms.landlock_abi, "rlimit", None)
-    box = sb.Sandbox(sandbox.limits, _mechanisms=mechanisms)
-    cgroups_before = set(os.listdir(mechanisms.pids_base)) if mechanisms.pids_base else set()
+    box = sb.Sandbox(sandbox.limits, _mechanisms=mechanisms, **TEST_UIDS)
+    made: list[str] = []
+    real_create = sb.RunCgroups.create
+
+    def spy(*args, **kwargs):
+        made.extend((cgroups := real_create(*args, **kwargs)).dirs)
+        return cgroups
+
+    monkeypatch.setattr(sb.RunCgroups, "create", spy)
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
     result = box.run(["-c", bomb])
     assert result.timed_out
     if mode == "cgroup":
         assert result.pids_limit_hit is True
-        assert set(os.listdir(mechanisms.pids_base)) <= cgroups_before  # its cgroup is removed
+        assert made and not any(os.path.exists(d) for d in made)  # its cgroups are removed
     assert _sandbox_processes() == []
     assert box.run(["-c", "print('alive')"]).stdout == b"alive\n"
 
@@ -245,13 +257,22 @@ def test_bad_file_name_is_rejected(sandbox):
         sandbox.run(["main.py"], files={"../escape.py": "x"})
 
 
-def test_refuses_without_root_or_landlock(monkeypatch):
+def test_refuses_without_root_landlock_or_libseccomp(monkeypatch):
     monkeypatch.setattr(sb.os, "geteuid", lambda: 1000)
     with pytest.raises(sb.SandboxUnavailable, match="needs root"):
         sb._probe_uncached()
     monkeypatch.setattr(sb.os, "geteuid", lambda: 0)
     monkeypatch.setattr(sb, "landlock_abi", lambda: 0)
     with pytest.raises(sb.SandboxUnavailable, match="Landlock is unavailable"):
+        sb._probe_uncached()
+    monkeypatch.setattr(sb, "landlock_abi", lambda: 7)
+    monkeypatch.setattr(sb, "_filter", None)
+
+    def no_libseccomp():
+        raise sb.SeccompUnavailable("seccomp filters need libseccomp and pyseccomp (gone)")
+
+    monkeypatch.setattr(sb, "build_filter", no_libseccomp)
+    with pytest.raises(sb.SandboxUnavailable, match="libseccomp"):
         sb._probe_uncached()
 
 
@@ -260,7 +281,9 @@ def test_refuses_without_root_or_landlock(monkeypatch):
 @pytest.fixture(scope="module")
 def env() -> PythonExec:
     _require_sandbox()
-    return PythonExec(wall_s=1.5, memory_mb=256, max_procs=8)
+    env = PythonExec(wall_s=1.5, memory_mb=256, max_procs=8)
+    env.sandbox.uid_base, env.sandbox.uid_count = TEST_UIDS["uid_base"], TEST_UIDS["uid_count"]
+    return env
 
 
 def test_every_reference_solution_scores_one(env):
@@ -302,7 +325,7 @@ def test_gaming_the_grader_scores_zero(env):
     hunt = (f"import glob, os\nsource = open({python_exec_module.__file__!r}).read()\n"
             "def add(a, b):\n    return a + b")
     obs, info = _assert_scores_zero_then_recovers(env, hunt)
-    assert "PermissionError" in info["load_error"]
+    assert "FileNotFoundError" in info["load_error"]  # the private root has no such path
 
 
 def test_the_hidden_outputs_never_enter_the_sandbox(env, monkeypatch):

@@ -16,10 +16,11 @@ import pytest
 
 from headrace.buffer.memory import MemoryBuffer
 from headrace.config import load
+from headrace.learner.checkpoint import Checkpointer
 from headrace.learner.loop import Learner
 from headrace.metrics.core import Metrics
+from headrace.rundir import RunDir
 from headrace.runtime import build, resume
-from headrace.runtime.checkpoint import Checkpointer
 from headrace.types import Group, Trajectory, Turn
 from headrace.weights.memory import MemoryWeightStore
 
@@ -90,11 +91,10 @@ def run_learner(learner: Learner, timeout_s: float = 60.0) -> BaseException | No
 
 def new_learner(config, model, buffer, weights, run_dir):
     task, graphdef, params = model
-    checkpointer = Checkpointer(run_dir / resume.CHECKPOINT_DIR, keep=resume.CHECKPOINTS_KEPT)
-    ledger = resume.Ledger(run_dir / resume.LEDGER_DIR)
-    learner = Learner(config, graphdef, params, buffer, weights, Metrics(), threading.Event(),
-                      allowed_v=task.sampler_settings.allowed_mask(task.dims.vocab_size),
-                      checkpointer=checkpointer, ledger=ledger)
+    checkpointer = Checkpointer(run_dir / RunDir.CHECKPOINTS, keep=resume.CHECKPOINTS_KEPT)
+    ledger = resume.Ledger(run_dir / RunDir.LEDGER)
+    learner = build.make_learner(config, task, graphdef, params, buffer, weights, Metrics(),
+                                 threading.Event(), checkpointer=checkpointer, ledger=ledger)
     learner.publish_start()
     return learner, checkpointer, ledger
 
@@ -163,7 +163,7 @@ def test_crash_after_a_checkpoint_loses_nothing_and_trains_nothing_twice(tmp_pat
     again = {g for r in replay.effective for g, d in zip(r["groups"], r["deliveries"],
                                                          strict=True) if d > 1}
     assert retrained <= again
-    metadata = Checkpointer(tmp_path / resume.CHECKPOINT_DIR).read_metadata()
+    metadata = Checkpointer(tmp_path / RunDir.CHECKPOINTS).read_metadata()
     assert metadata["counters"]["staleness/dropped_age"] == len(
         [r for r in replay.effective if r["kind"] == "dropped"])
 
@@ -235,7 +235,7 @@ def trained(step, *groups):
 
 
 def test_history_replays_starts_and_cuts_at_the_restored_checkpoint(tmp_path):
-    ledger = tmp_path / resume.LEDGER_DIR
+    ledger = tmp_path / RunDir.LEDGER
     write_ledger(ledger / "learner-0000.jsonl", [
         {"kind": "start", "restored": None}, trained(1, "a"), {"kind": "checkpoint", "key": 1},
         trained(2, "b"), {"kind": "checkpoint", "key": 2}, trained(3, "c")])

@@ -16,11 +16,12 @@ import pytest
 
 from headrace.buffer.memory import MemoryBuffer
 from headrace.config import load
-from headrace.learner.loop import Learner
 from headrace.metrics import compiles
 from headrace.metrics.core import Metrics
 from headrace.model import params as params_lib
+from headrace.model.sampler import SamplerSettings
 from headrace.model.transformer import ModelDims
+from headrace.runtime.build import Task, make_learner
 from headrace.shapes import ShapePolicy
 from headrace.types import Group, Trajectory
 from headrace.weights.memory import MemoryWeightStore
@@ -67,11 +68,14 @@ def test_learner_compiles_at_most_one_program_per_shape():
         "staleness": {"max_policy_lag": 1000}})
     policy = ShapePolicy.from_config(config.shapes, config.learner)
     assert len(policy.shapes()) == 3
-    graphdef, params = params_lib.init(ModelDims.from_config(config.model, VOCAB), 0)
+    dims = ModelDims.from_config(config.model, VOCAB)
+    graphdef, params = params_lib.init(dims, 0)
     buffer = MemoryBuffer(capacity=64)
     buffer.put(groups_with_lengths(lengths, group_size=4), timeout_s=5)
     metrics, stop = Metrics(), threading.Event()
-    learner = Learner(config, graphdef, params, buffer, MemoryWeightStore(keep=4), metrics, stop)
+    task = Task(None, None, dims, SamplerSettings())  # no environment; any token
+    learner = make_learner(config, task, graphdef, params, buffer, MemoryWeightStore(keep=4),
+                           metrics, stop)
     seen_shapes = set()
     build = learner.batcher.build
 

@@ -12,6 +12,7 @@ from headrace.buffer.memory import MemoryBuffer
 from headrace.config import load
 from headrace.learner.loop import Learner
 from headrace.metrics.core import Metrics
+from headrace.runtime import build
 from headrace.weights.memory import MemoryWeightStore
 from tests.learner.test_checkpointing import actions, make_group, model  # noqa: F401 (fixture)
 
@@ -21,9 +22,8 @@ def make_learner(model, buffer, max_policy_lag: int, max_steps: int):  # noqa: F
     config = load("examples/guess_number.yaml", [
         "learner.groups_per_batch=2", "learner.minibatches=1", "buffer.max_pending=64",
         f"staleness.max_policy_lag={max_policy_lag}", f"run.max_steps={max_steps}"])
-    learner = Learner(config, graphdef, params, buffer, MemoryWeightStore(4), Metrics(),
-                      threading.Event(),
-                      allowed_v=task.sampler_settings.allowed_mask(task.dims.vocab_size))
+    learner = build.make_learner(config, task, graphdef, params, buffer, MemoryWeightStore(4),
+                                 Metrics(), threading.Event())
     learner.publish_start()
     return learner
 
@@ -79,7 +79,7 @@ def test_cpu_frac_leaves_out_the_cpu_of_steps_that_compiled(model, monkeypatch):
     cpu = iter([12.0, 12.0, 12.3])  # the process's CPU at each read after the two dispatches
     monkeypatch.setattr(time, "process_time", lambda: next(cpu))
     start = time.perf_counter() - 3.0
-    learner._finish_step({}, 2.0, start, 10.0, batch, compiled=True)  # 2 s of compiling
-    learner._finish_step({}, 0.5, start + 2.0, 12.0, batch, compiled=False)
+    learner.clock.record(2.0, start, 10.0, batch.real_tokens, compiled=True)  # 2 s compiling
+    learner.clock.record(0.5, start + 2.0, 12.0, batch.real_tokens, compiled=False)
     window = learner.metrics.gauges["learner/steps_per_s"] ** -1  # one steady step
     assert learner.metrics.gauges["learner/cpu_frac"] == pytest.approx(0.3 / window, rel=1e-3)

@@ -108,7 +108,7 @@ def run(monkeypatch, config, buffer: MemoryBuffer):
         return stores[-1]
 
     with monkeypatch.context() as patch:
-        patch.setattr(threads, "Learner", RecordingLearner)
+        patch.setattr(build, "Learner", RecordingLearner)
         patch.setattr(build, "make_buffer", lambda *args, **kwargs: buffer)
         patch.setattr(build, "make_weights", weights_factory)
         summary = threads.train(config, live=False)

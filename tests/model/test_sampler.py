@@ -81,12 +81,12 @@ def test_no_recompilation_across_prompt_lengths():
                       buckets=(8, 16, 32), max_batch=32)
     sampler.set_params(params, 0)
     rng = np.random.default_rng(1)
-    before = compiles.compiles("_generate")
+    before = compiles.compiles("generate")
     for n in range(1, 31):
         rows = int(rng.integers(1, 33))
         sampler.generate([rng.integers(3, 40, n).astype(np.int32) for _ in range(rows)])
     # At most |batch ladder| x |buckets| programs, however many lengths and row counts arrive.
-    assert compiles.compiles("_generate") - before <= len(sampler.batch_sizes) * 3
+    assert compiles.compiles("generate") - before <= len(sampler.batch_sizes) * 3
 
 
 def test_rows_split_over_several_calls_keep_their_order_and_logprobs():
@@ -132,7 +132,7 @@ def test_kept_caches_match_full_forward_over_turns(max_new, background):
                 for slot, n in zip((0, 2, 3), (2, 5, 9))}
     for turn in range(3):
         slots = list(contexts)
-        kept = [sampler._kept_prefix(k, contexts[k]) for k in slots]
+        kept = [sampler.kept.prefix(k, contexts[k]) for k in slots]
         assert (min(kept) > 0) == (turn > 0)  # later turns start from what the slot holds
         tokens, logps, _ = sampler.generate([contexts[k] for k in slots], slots=slots)
         for k, t, lp in zip(slots, tokens, logps):
@@ -142,7 +142,7 @@ def test_kept_caches_match_full_forward_over_turns(max_new, background):
             contexts[k] = np.concatenate([contexts[k], t, observation])
     # Another episode in slot 0: nothing it holds matches, so the context is computed afresh.
     other = np.concatenate([[contexts[0][0] % 37 + 1], rng.integers(3, 40, 5)]).astype(np.int32)
-    assert sampler._kept_prefix(0, other) == 0
+    assert sampler.kept.prefix(0, other) == 0
     tokens, logps, _ = sampler.generate([other], slots=[0])
     np.testing.assert_allclose(logps[0], full_forward_logprobs(graphdef, params, other,
                                                                tokens[0], 0.8), atol=1e-5)
@@ -150,7 +150,7 @@ def test_kept_caches_match_full_forward_over_turns(max_new, background):
 
 def _wait_for_compiler(sampler: Sampler, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while sampler._compiling:
+    while sampler.programs.compiling:
         assert time.monotonic() < deadline, "background compiles did not finish"
         time.sleep(0.05)
 
@@ -177,10 +177,10 @@ def test_new_shapes_compile_in_the_background_while_compiled_programs_serve():
         check([3] * 40)  # width 6, 64 rows: served by five calls of the 8 x 14 program
         assert sampler.inline_compiles == 1
         _wait_for_compiler(sampler)
-        assert {(8, 14), (64, 6)} <= {(k[2], k[3]) for k in sampler._programs}
+        assert {(8, 14), (64, 6)} <= {(k[2], k[3]) for k in sampler.programs.compiled}
         assert sampler.compiles == 2
         check([5] * 40)  # its own program now
-        assert sampler.inline_compiles == 1 and len(sampler._programs) == 2
+        assert sampler.inline_compiles == 1 and len(sampler.programs.compiled) == 2
     finally:
         sampler.close()
 

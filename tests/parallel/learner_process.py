@@ -33,12 +33,11 @@ def main(process_id: int, processes: int, port: int, out_dir: str, steps: int = 
 
     from headrace.buffer.memory import MemoryBuffer
     from headrace.config import load
-    from headrace.learner.loop import Learner
+    from headrace.learner.checkpoint import Checkpointer
     from headrace.metrics.core import Metrics
     from headrace.model import params as params_lib
     from headrace.parallel import multihost
     from headrace.runtime import build
-    from headrace.runtime.checkpoint import Checkpointer
     from headrace.weights.memory import MemoryWeightStore
     from tests.learner.test_checkpointing import make_group
 
@@ -62,8 +61,8 @@ def main(process_id: int, processes: int, port: int, out_dir: str, steps: int = 
     buffer._ids = itertools.count(1 + first * share)
     buffer.put(mine, timeout_s=1)
     metrics = Metrics()
-    learner = Learner(config, graphdef, params, buffer, MemoryWeightStore(4), metrics,
-                      threading.Event(), allowed_v=allowed, checkpointer=checkpointer)
+    learner = build.make_learner(config, task, graphdef, params, buffer, MemoryWeightStore(4),
+                                 metrics, threading.Event(), checkpointer=checkpointer)
     assert learner.step == first, (learner.step, first)
     recorded = []
     finish = learner._finish_step

@@ -1,5 +1,5 @@
 """A sharded TrainState saves with Orbax and restores onto its mesh, another mesh shape, or one
-device, through `headrace.runtime.checkpoint.Checkpointer` as the learner uses it."""
+device, through `headrace.learner.checkpoint.Checkpointer` as the learner uses it."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import jax
 import numpy as np
 import pytest
 
+from headrace.learner.checkpoint import Checkpointer
+from headrace.learner.sharded_step import ShardedTrainStep
 from headrace.learner.train_step import init_state, make_optimizer
 from headrace.model import params as params_lib
 from headrace.parallel import rules
 from headrace.parallel.mesh import make_mesh
-from headrace.parallel.step import ShardedTrainStep
-from headrace.runtime.checkpoint import Checkpointer
 from tests.parallel.helpers import DIMS, learner_config
 
 

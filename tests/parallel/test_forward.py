@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from headrace.learner import losses
-from headrace.parallel.forward import relayout, vocab_logprobs
+from headrace.learner.sharded_forward import relayout, vocab_logprobs
 from headrace.parallel.mesh import make_mesh
 
 

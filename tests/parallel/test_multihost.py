@@ -72,10 +72,10 @@ def restore_on_one_device(ckpt, step: int) -> dict:
     import jax
 
     from headrace.config import load
+    from headrace.learner.checkpoint import Checkpointer
     from headrace.learner.train_step import init_state, make_optimizer
     from headrace.model import params as params_lib
     from headrace.runtime import build
-    from headrace.runtime.checkpoint import Checkpointer
 
     config = load("examples/guess_number.yaml", ["learner.entropy_coef=0.01"])
     _, params = build.init_params(config, build.build_task(config))
@@ -88,7 +88,7 @@ def restore_on_one_device(ckpt, step: int) -> dict:
 
 @pytest.mark.timeout(900)
 def test_two_learner_processes_checkpoint_and_resume(tmp_path):
-    from headrace.runtime.checkpoint import Checkpointer
+    from headrace.learner.checkpoint import Checkpointer
 
     ckpt = tmp_path / "ckpt"
     one = run_job(tmp_path / "one", 1, 4)  # four steps, no stop

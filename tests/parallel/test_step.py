@@ -12,11 +12,17 @@ What "the same update" is checked as, in float32:
   first update rtol 1e-5 plus 1e-5 of the leaf's largest entry, after the second 1e-4 of it (its
   gradient is taken at parameters that already differ as below). This is what catches a gradient
   wrongly scaled or reduced: Adam's update itself is invariant to the gradient's scale;
-- the parameters: rtol 1e-5, atol 1e-6 on every entry whose gradient in each update is exactly
-  zero or above 1e-4 of its leaf's largest. Below that the gradient is close to rounding level,
-  and Adam's m / sqrt(v) turns rounding (a different summation order) into a visible step (the
-  entries that differ had gradients below 6e-6 of the largest): those entries (about 1 %;
-  asserted < 2 %) are only held to Adam's step size, lr per update.
+- the parameters, by an error analysis rather than a tolerance on their difference: Adam turns a
+  rounding-level difference in a small gradient into a visible step (m / sqrt(v) is scale-free),
+  so two correct implementations can differ by up to lr per update on such entries, whatever the
+  CPU. Each state's parameters are instead checked against the Adam update of its *own* moments,
+  recomputed in float64 (`tests.adam_check.assert_params_follow_moments`): p2 = p0 - lr (u1 + u2) with
+  u = m_hat / (sqrt(v_hat) + eps), bias corrections taken in float32 as optax takes them (in
+  float64 they differ by up to 1e-5 relative: 0.999 is not a float32). The float32 step rounds
+  each u in about six operations and each parameter in two additions, so every entry must agree
+  to 16 eps32 (|p0| + lr (|u1| + |u2|)), about twice that count of roundings (measured: at most
+  1.4 of those units on one CPU, over every entry of two meshes). Together with the moments
+  (the gradients, above) this pins the update on every entry, none left to a looser bound.
 """
 
 from __future__ import annotations
@@ -26,20 +32,20 @@ import functools
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 from headrace.learner.batching import Batch
+from headrace.learner.sharded_forward import ShardedLayout
+from headrace.learner.sharded_step import ShardedTrainStep
 from headrace.learner.train_step import init_state, make_optimizer, make_train_step
 from headrace.model import params as params_lib
 from headrace.model.transformer import ModelDims
 from headrace.parallel import rules
-from headrace.parallel.forward import Layout
 from headrace.parallel.mesh import make_mesh
-from headrace.parallel.step import ShardedTrainStep
+from tests.adam_check import assert_moments, assert_params_follow_moments
 from tests.parallel.helpers import DIMS, learner_config, make_batch
 
-MESHES = [(8, 1, 1), (1, 8, 1), (1, 4, 2), (2, 2, 2)]
+MESHES = [(8, 1, 1), (1, 4, 2), (2, 2, 2)]  # data alone; fsdp with tensor; all three
 _events: collections.Counter[tuple[str, str]] = collections.Counter()
 
 
@@ -81,23 +87,6 @@ def _reference(kind: str, kl: float, dims=DIMS):
     return half, jax.device_get(state), jax.device_get(metrics)
 
 
-def _adam(opt_state) -> optax.ScaleByAdamState:
-    (adam,) = [s for s in jax.tree.leaves(
-        opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
-        if isinstance(s, optax.ScaleByAdamState)]
-    return adam
-
-
-def _assert_moments(got_state, want_state, scale: float) -> None:
-    """Adam's mu and nu: rtol 1e-5 plus `scale` x the leaf's largest entry."""
-    for name in ("mu", "nu"):
-        want = params_lib.flatten(getattr(_adam(want_state.opt_state), name))
-        got = params_lib.flatten(getattr(_adam(got_state.opt_state), name))
-        for path, a in want.items():
-            np.testing.assert_allclose(got[path], a, rtol=1e-5, atol=scale * np.abs(a).max(),
-                                       err_msg=f"{name} {path}")
-
-
 def assert_same_update(got_half, got, reference, metrics, lr: float, b1: float) -> None:
     """`got_half`: the sharded state after the first minibatch alone; `got`: after the step."""
     half, want, want_metrics = reference
@@ -109,22 +98,23 @@ def assert_same_update(got_half, got, reference, metrics, lr: float, b1: float) 
     assert int(got.step) == int(want.step) == 2
     # The first update's gradient, exactly; the second's also carries the first update's
     # rounding-level differences (below) through the forward pass.
-    _assert_moments(got_half, half, 1e-5)
-    _assert_moments(got, want, 1e-4)
-    # Each update's gradient (clipped), from the first moments: mu1 = (1-b1) g1, mu2 = b1 mu1 + ...
-    mu1 = params_lib.flatten(_adam(half.opt_state).mu)
-    mu2 = params_lib.flatten(_adam(want.opt_state).mu)
-    loose = total = 0
-    for path, a in params_lib.flatten(want.params).items():
+    assert_moments(got_half, half, 1e-5)
+    assert_moments(got, want, 1e-4)
+    initial = params_lib.flatten(jax.device_get(_model(_dims_of(want))[1]))
+    for state, first in ((want, half), (got, got_half)):
+        assert_params_follow_moments(initial, (first, state), lr, b1)
+    for path, a in params_lib.flatten(want.params).items():  # and so within lr per update
         b = params_lib.flatten(got.params)[path]
-        grads = (mu1[path], mu2[path] - b1 * mu1[path])
-        # Clear of rounding: a gradient exactly 0 (unseen tokens' rows) or above 1e-4 of the max.
-        clear = np.logical_and(*((np.abs(g) > 1e-4 * np.abs(g).max()) | (g == 0) for g in grads))
-        np.testing.assert_allclose(b[clear], a[clear], rtol=1e-5, atol=1e-6, err_msg=path)
         np.testing.assert_array_less(np.abs(b - a), 2 * lr + 1e-6, err_msg=path)
-        loose += int((~clear).sum())
-        total += clear.size
-    assert loose < 0.02 * total, (loose, total)
+
+
+def _dims_of(state) -> ModelDims:
+    """The test model whose parameters `state` holds (by the embedding's shape)."""
+    vocab = params_lib.flatten(state.params)["embed.embedding"].shape[0]
+    return DIMS if vocab == DIMS.vocab_size else _TENSOR_DIMS
+
+
+_TENSOR_DIMS = ModelDims(vocab_size=66, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=90)
 
 
 def _step_and_check(step, state, kind, kl, dims=DIMS):
@@ -180,9 +170,9 @@ def test_ppo_step_equals_single_device_and_shards(mesh_shape):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mesh_shape", [(1, 4, 2), (2, 2, 2)], ids=lambda m: "x".join(map(str, m)))
-def test_decoupled_with_kl_equals_single_device(mesh_shape):
-    config, step, state = _run(mesh_shape, "decoupled", 0.1)
+def test_decoupled_with_kl_equals_single_device():
+    # The loss changes, not the layout: one mesh with every axis (the PPO test covers the rest).
+    config, step, state = _run((2, 2, 2), "decoupled", 0.1)
     state, metrics = _step_and_check(step, state, "decoupled", 0.1)
     assert "loss/kl" in metrics
 
@@ -191,9 +181,10 @@ def test_decoupled_with_kl_equals_single_device(mesh_shape):
 def test_dimensions_tensor_does_not_divide_run_whole_with_the_same_update():
     # tensor=4: 2 kv heads (each device picks its query heads' kv head from all of them),
     # vocabulary 66 and hidden width 90 (embedding, logits and MLP run whole on every device).
-    dims = ModelDims(vocab_size=66, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=90)
+    dims = _TENSOR_DIMS
     config, step, state = _run((1, 2, 4), dims=dims, max_replicated_share=None)
-    assert step.forward.layout == Layout(4, vocab=False, heads=True, kv_heads=False, mlp=False)
+    assert step.forward.layout == ShardedLayout(4, vocab=False, heads=True, kv_heads=False, mlp=False,
+                                               remat=True)
     notes = {path: notes for path, _, _, notes in step.report.entries}
     assert "not divisible by tensor=4" in notes["embed.embedding"][0]
     assert "layers.0.mlp.down.kernel" in notes and "layers.0.attn.q.kernel" not in notes

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from headrace.runtime.checkpoint import Checkpointer
+from headrace.learner.checkpoint import Checkpointer
 
 
 class TinyModel(nnx.Module):
@@ -160,3 +160,23 @@ def test_restore_onto_a_different_mesh(open_checkpointer):
     kernel = restored["params"]["hidden"]["kernel"][...]
     assert kernel.sharding.spec == P("fsdp")
     assert len({shard.device for shard in kernel.addressable_shards}) == n
+
+
+def test_a_read_only_checkpointer_leaves_a_save_in_progress_alone(tmp_path):
+    """Opening a live run's checkpoints to look (accounting, resume checks) must not delete the
+    temporary directory of the learner's save in progress, as a writing manager's clean-up does."""
+    writer = Checkpointer(tmp_path / "ck", keep=3)
+    try:
+        writer.save(1, make_state(1), {"learner_step": 1})
+    finally:
+        writer.close()
+    in_progress = tmp_path / "ck" / "2.orbax-checkpoint-tmp"
+    in_progress.mkdir()
+    looker = Checkpointer(tmp_path / "ck", keep=3, read_only=True)
+    try:
+        assert looker.latest_step() == 1 and looker.read_metadata() == {"learner_step": 1}
+    finally:
+        looker.close()
+    assert in_progress.exists()
+    assert Checkpointer(tmp_path / "missing", read_only=True).latest_step() is None
+    assert not (tmp_path / "missing").exists()  # looking creates nothing

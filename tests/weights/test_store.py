@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 import zlib
 
 import ml_dtypes
@@ -23,6 +24,7 @@ from headrace.weights import (
     from_config,
 )
 from headrace.weights.directory import MANIFEST, POINTER
+from headrace.weights.redis_store import RedisWeightStore
 
 
 def make_params(version: int = 0, scale: int = 1) -> dict[str, np.ndarray]:
@@ -46,15 +48,27 @@ def assert_same(loaded: dict[str, np.ndarray], expected: dict[str, np.ndarray]) 
         assert loaded[name].tobytes() == np.ascontiguousarray(array).tobytes(), name
 
 
-@pytest.fixture(params=["memory", "dir"])
+def _opener(kind: str, tmp_path, request):
+    """`open(name, keep)`: a store of `kind` named `name`; the same name reaches the same
+    versions (another reader of one store), as a second process would."""
+    if kind == "redis":
+        server = request.getfixturevalue("redis_server")
+        prefix = uuid.uuid4().hex[:12]  # tests share the session's server
+        return lambda name, keep: RedisWeightStore(server.url, f"{prefix}-{name}", keep=keep,
+                                                   chunk_bytes=64)  # several chunks per array
+    return lambda name, keep: DirWeightStore(tmp_path / name, keep=keep)
+
+
+@pytest.fixture(params=["memory", "dir", "redis"])
 def make_store(request, tmp_path):
     stores = []
+    opener = None if request.param == "memory" else _opener(request.param, tmp_path, request)
 
     def make(keep: int = 2) -> WeightStore:
-        if request.param == "memory":
+        if opener is None:
             store = MemoryWeightStore(keep=keep)
         else:
-            store = DirWeightStore(tmp_path / f"store{len(stores)}", keep=keep)
+            store = opener(f"store{len(stores)}", keep)
         stores.append(store)
         return store
 
@@ -62,6 +76,23 @@ def make_store(request, tmp_path):
         yield make
     finally:
         for store in stores:
+            store.close()
+
+
+@pytest.fixture(params=["dir", "redis"])
+def open_durable(request, tmp_path):
+    """`(open(name, keep), kind)` for the stores that other processes read."""
+    opened = []
+    opener = _opener(request.param, tmp_path, request)
+
+    def make(name: str, keep: int = 2) -> WeightStore:
+        opened.append(opener(name, keep))
+        return opened[-1]
+
+    try:
+        yield make, request.param
+    finally:
+        for store in opened:
             store.close()
 
 
@@ -256,10 +287,46 @@ def test_corruption_is_detected(tmp_path):
         store.latest_version()
 
 
+@pytest.mark.parametrize("forged", ["ABSOLUTE", "../../secret.bin", "../secret.bin",
+                                    "sub/../../secret.bin", "..", ".", "", "a\\b", 7])
+def test_forged_manifest_file_names_are_refused(tmp_path, forged):
+    """A manifest naming a file outside its version folder is refused before anything is read,
+    even when that file has exactly the size and checksum the manifest claims."""
+    store_root = tmp_path / "store"
+    store = DirWeightStore(store_root, keep=3)
+    store.publish(make_params(0), 0)
+    secret = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+    outside = tmp_path / "secret.bin"
+    outside.write_bytes(secret.tobytes())
+    manifest_path = store_root / "v0" / MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    record = next(r for r in manifest["arrays"] if r["path"] == "embed.table")
+    record["file"] = str(outside) if forged == "ABSOLUTE" else forged
+    record["crc32"] = zlib.crc32(secret.tobytes())
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(CorruptWeights, match="embed.table.*not a plain file name"):
+        store.load(0)
+
+
+def test_a_symbolic_link_in_a_version_folder_is_not_followed(tmp_path):
+    store = DirWeightStore(tmp_path / "store", keep=3)
+    store.publish(make_params(0), 0)
+    manifest = json.loads((tmp_path / "store" / "v0" / MANIFEST).read_text())
+    record = next(r for r in manifest["arrays"] if r["path"] == "embed.table")
+    target = tmp_path / "store" / "v0" / record["file"]
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(target.read_bytes())  # the same bytes: only the link itself is wrong
+    target.unlink()
+    target.symlink_to(outside)
+    with pytest.raises(CorruptWeights, match="symbolic link"):
+        store.load(0)
+
+
 @pytest.mark.timeout(60)
-def test_concurrent_reader_never_sees_a_partial_version(tmp_path):
-    writer = DirWeightStore(tmp_path, keep=2)
-    reader = DirWeightStore(tmp_path, keep=2)
+def test_concurrent_reader_never_sees_a_partial_version(open_durable):
+    opener, _ = open_durable
+    writer = opener("shared", keep=2)
+    reader = opener("shared", keep=2)
     writer.publish(make_params(0, scale=8), 0)
     stop = threading.Event()
     seen: list[list[int]] = [[], []]
@@ -301,19 +368,26 @@ def test_concurrent_reader_never_sees_a_partial_version(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_another_process_reads_the_store(tmp_path):
-    store = DirWeightStore(tmp_path)
+def test_another_process_reads_the_store(open_durable, tmp_path):
+    opener, kind = open_durable
+    store = opener("shared")
     store.publish(make_params(2), 2)
+    if kind == "dir":
+        open_code = ("from headrace.weights import DirWeightStore\n"
+                     f"store = DirWeightStore({str(tmp_path / 'shared')!r})\n")
+    else:
+        open_code = ("from headrace.weights.redis_store import RedisWeightStore\n"
+                     f"store = RedisWeightStore({store.url!r}, {store.namespace!r})\n")
     code = (
-        "import sys, zlib\n"
-        "from headrace.weights import DirWeightStore\n"
-        "store = DirWeightStore(sys.argv[1])\n"
+        "import sys, zlib\n" + open_code +
         "v = store.latest_version()\n"
         "params = store.load(v)\n"
         "print(v, zlib.crc32(b''.join(params[k].tobytes() for k in sorted(params))))\n"
+        "assert 'jax' not in sys.modules, 'reading the store imported JAX'\n"
     )
-    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
-                            text=True, timeout=50, check=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                            text=True, timeout=50)
+    assert result.returncode == 0, result.stderr[-2000:]
     expected = make_params(2)
     crc = zlib.crc32(b"".join(expected[k].tobytes() for k in sorted(expected)))
     assert result.stdout.split() == ["2", str(crc)]

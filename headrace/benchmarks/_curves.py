@@ -1,0 +1,64 @@
+"""Learning curves of the utilisation bench's ways: seed means at equal optimizer updates, the time
+to a target, the smallest async/sync ratio, and the lag a way trained at (pure arithmetic on the
+records and evaluation points the runs wrote)."""
+
+from __future__ import annotations
+
+import math
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]  # nearest rank
+
+
+def lag_figures(trained: list[dict], updates_per_version: int) -> dict:
+    """The lag a way trained at, over its logged steps (`staleness/lag_mean` of each record: the
+    step's mean over its groups), in learner versions and in optimizer updates."""
+    lags = [r["staleness/lag_mean"] for r in trained if "staleness/lag_mean" in r]
+    mean = sum(lags) / len(lags) if lags else 0.0
+    p90 = _percentile(lags, 0.9) if lags else 0.0
+    return {"lag_mean": mean, "lag_p90": p90, "lag_updates_mean": mean * updates_per_version,
+            "lag_updates_p90": p90 * updates_per_version}
+
+
+def mean_curve(runs: list[dict], updates_per_step: int) -> list[dict]:
+    """The seed mean at each evaluation point every run has: `updates` (optimizer updates),
+    `wall_s` (seconds since the first trained step, each run's start-up left out) and
+    `success` (greedy success on the fixed task set)."""
+    if not runs:
+        return []
+    points = [{p["step"]: (p["wall_s"] - run["warmup_s"], p["success_rate"]) for p in run["evals"]}
+              for run in runs]
+    common = sorted(set.intersection(*(set(p) for p in points)))
+    return [{"updates": step * updates_per_step,
+             "wall_s": round(sum(p[step][0] for p in points) / len(points), 2),
+             "success": sum(p[step][1] for p in points) / len(points)} for step in common]
+
+
+def time_to_target(curve: list[dict], target: float) -> float | None:
+    """Seconds from the first trained step to the first curve point at `target` (None: never)."""
+    return next((p["wall_s"] for p in curve if p["success"] >= target), None)
+
+
+def learning_ratio(async_curve: list[dict], sync_curve: list[dict]) -> tuple[float | None, list]:
+    """The smallest async/sync success ratio at equal updates over the points past the first
+    quarter of the updates both curves cover; None when no point is comparable. Where both are 0
+    the ratio is 1 (neither has learned); where only sync's is 0 it is not bounded (inf)."""
+    sync_at = {p["updates"]: p["success"] for p in sync_curve}
+    shared = [p for p in async_curve if p["updates"] in sync_at]
+    if not shared:
+        return None, []
+    quarter = max(p["updates"] for p in shared) / 4
+    ratios = []
+    for p in shared:
+        if p["updates"] <= quarter:
+            continue
+        a, b = p["success"], sync_at[p["updates"]]
+        ratios.append({"updates": p["updates"], "async": a, "sync": b,
+                       "ratio": a / b if b > 0 else (1.0 if a == 0 else math.inf)})
+    if not ratios:
+        return None, []
+    return min(r["ratio"] for r in ratios), ratios

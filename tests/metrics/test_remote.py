@@ -1,0 +1,65 @@
+"""The metrics publisher: a Redis error is retried, any other failure stops the process's work and
+is raised by `stop()` (a dead publisher is an error of the run, never a silent loss of metrics)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from headrace.metrics.core import Metrics
+from headrace.metrics.remote import Publisher, PublisherError, read
+
+
+@pytest.mark.timeout(30)
+def test_a_failed_publisher_stops_the_process_and_is_raised(redis_server, run_id):
+    client = redis_server.client()
+    stop = threading.Event()
+    calls = []
+
+    def extra():
+        calls.append(1)
+        if len(calls) >= 2:
+            raise ValueError("a broken stats function")
+        return {"buffer/depth": 1.0}
+
+    metrics = Metrics()
+    metrics.count("learner/steps")
+    publisher = Publisher(client, run_id, "learner", metrics, period_s=0.05, extra=extra,
+                          on_failure=stop.set).start()
+    assert stop.wait(10), "the failure never reached the process's stop event"
+    assert read(client, run_id)["buffer/depth"] == 1.0  # the first period was published
+    with pytest.raises(PublisherError, match="broken stats function"):
+        publisher.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_healthy_publisher_publishes_on_stop(redis_server, run_id):
+    client = redis_server.client()
+    metrics = Metrics()
+    publisher = Publisher(client, run_id, "actor-0", metrics, period_s=10.0).start()
+    metrics.count("actor/episodes", 3)
+    publisher.stop()
+    assert read(client, run_id)["actor/episodes"] == 3
+
+
+def test_merge_reduces_as_each_metric_declares():
+    """Counters add up; a distribution's tail series and a declared maximum take the worst
+    component's; everything else is averaged; no reduction is read off a metric's name."""
+    from headrace.metrics.core import MAX, declare
+    from headrace.metrics.remote import merge
+
+    declare("test/worst", MAX)
+    a, b = Metrics(), Metrics()
+    for m, lag, worst, n in ((a, 1.0, 3.0, 2), (b, 3.0, 5.0, 5)):
+        m.count("test/episodes", n)
+        m.gauge("test/lag", lag)
+        m.gauge("test/worst", worst)
+        m.gauge("test/looks_max", worst)  # named like a maximum, declared as nothing: a mean
+        m.observe_many("test/put_s", [lag] * 10)
+    merged = merge({"a": a.export(), "b": b.export()})
+    assert merged["test/episodes"] == 7
+    assert merged["test/lag"] == 2.0 and merged["test/looks_max"] == 4.0
+    assert merged["test/worst"] == 5.0
+    assert merged["test/put_s_p99"] == 3.0 and merged["test/put_s_p90"] == 3.0
+    assert merged["test/put_s_p50"] == 2.0 and merged["test/put_s_mean"] == 2.0

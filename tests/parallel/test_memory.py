@@ -1,0 +1,173 @@
+"""Memory for big models: fp32 master weights under a bf16 model, and per-block remat.
+
+On one device and on the simulated (2, 2, 2) mesh (conftest forces 8 CPU devices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from headrace.learner.sharded_step import ShardedTrainStep
+from headrace.learner.train_step import TrainStep, compute_params, init_state
+from headrace.model import params as params_lib
+from headrace.parallel.mesh import make_mesh
+from tests.parallel.helpers import DIMS, learner_config, make_batch
+
+BF16 = dataclasses.replace(DIMS, dtype="bfloat16")
+MESH = {"data": 2, "fsdp": 2, "tensor": 2}
+# bf16 unit roundoff (round to nearest, 8 significant bits).
+U_BF16 = 2.0 ** -8
+
+
+def _bf16_tolerance(dims) -> float:
+    """Norm-wise relative error expected of a gradient computed in bf16 instead of fp32.
+
+    First-order error analysis: each bf16 rounding on the path from the parameters to the
+    gradient multiplies a value by (1 + d), |d| <= u. Counting them on the longest path: the
+    parameter cast, then per block the attention norm, q/k/v, RoPE, the probabilities, probs @ v,
+    o, the residual, the MLP norm, gate/up, silu * up, down and the residual (12), then the final
+    norm and the logits: k = 3 + 12 L forward, as many backward. Independent roundings (variance
+    u^2 / 3 each) add up to a relative error of about sqrt(2 k / 3) u; the bound allows 3 of those
+    standard deviations. Errors adding up in the worst case (2 k u) would be 6 times wider.
+    """
+    k = 2 * (3 + 12 * dims.n_layers)
+    return 3 * math.sqrt(k / 3) * U_BF16
+
+
+DEEP = dataclasses.replace(DIMS, n_layers=6)  # remat saves all blocks but the one being redone
+
+
+@functools.cache
+def _master(dims=DIMS):
+    """fp32 parameters, the same for the fp32 and the bf16 model."""
+    return jax.device_get(params_lib.init(dims, 0)[1])
+
+
+def _step(dims, mesh, optimizer, remat=False):
+    graphdef = params_lib.graphdef(dims)
+    config = learner_config()
+    if mesh is None:
+        return TrainStep(graphdef, config, 1.0, optimizer, remat=remat, dims=dims)
+    return ShardedTrainStep(graphdef, config, 1.0, optimizer, mesh=make_mesh(mesh), dims=dims,
+                            remat=remat)
+
+
+def _flat(tree):
+    return {k: np.asarray(v, np.float32) for k, v in params_lib.flatten(jax.device_get(tree)).items()}
+
+
+def _norm(flat):
+    return math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in flat.values()))
+
+
+CASES = [(None, (2, 1)), (MESH, (1,)),
+         pytest.param(MESH, (1, 1), marks=pytest.mark.xfail(strict=True, reason=(
+             "open bug: on the mesh a bf16 model's second microbatch call gets the embedding's "
+             "and the final norm's gradients ~40 % off (also with the master cast inside the "
+             "shard_map, and without remat)")))]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh, plan", CASES, ids=["one_device", "2x2x2", "2x2x2_two_calls"])
+def test_bf16_update_is_the_fp32_update_up_to_bf16_rounding_on_a_fp32_master(mesh, plan):
+    # SGD with momentum: the first update is -lr * gradient exactly, so the update compares the
+    # gradients; the momentum trace is optimizer state shaped like the parameters.
+    # Updates ~1e-6 of a weight: far above a fp32 ulp (6e-8 relative), far below half a bf16 ulp
+    # (2e-3 relative): a bf16 master would hardly move.
+    lr = 1e-4
+    optimizer = optax.sgd(lr, momentum=0.9)
+    batch = make_batch(plan=plan)
+    p0 = _flat(_master())
+    updates = {}
+    for dims in (DIMS, BF16):
+        step = _step(dims, mesh, optimizer)
+        state = init_state(_master(), optimizer, 0.0, "float32")
+        state, metrics = step(state, batch)
+        assert int(state.step) == len(plan) and float(metrics["learner/skipped_nonfinite"]) == 0
+        for leaf in jax.tree.leaves((state.params, state.opt_state)):
+            assert leaf.dtype == jnp.float32 or not jnp.issubdtype(leaf.dtype, jnp.floating)
+        published = jax.tree.leaves(compute_params(state.params, dims))
+        assert {leaf.dtype for leaf in published} == {jnp.dtype(dims.dtype)}
+        new = _flat(state.params)
+        updates[dims.dtype] = {k: new[k] - p0[k] for k in p0}
+        if dims is BF16:
+            # The update survives in the master; rounded to bf16 it would be lost almost entirely.
+            moved32 = np.concatenate([(u != 0).ravel() for u in updates["float32"].values()])
+            moved = np.concatenate([(new[k] != p0[k]).ravel() for k in p0])[moved32].mean()
+            as_bf16 = np.concatenate([
+                (jnp.asarray(new[k], jnp.bfloat16) != jnp.asarray(p0[k], jnp.bfloat16)).ravel()
+                for k in p0])[moved32].mean()
+            assert moved32.mean() > 0.5 and moved > 0.95 and as_bf16 < 0.01, (moved, as_bf16)
+    u32, u16 = updates["float32"], updates["bfloat16"]
+    error = _norm({k: u16[k] - u32[k] for k in u32}) / _norm(u32)
+    tolerance = _bf16_tolerance(DIMS)
+    assert 0 < error < tolerance, (error, tolerance)
+
+
+def _grads(step, batch_arrays):
+    state = init_state(_master(DEEP), step.optimizer, 0.0)
+    state = step._placed(state)
+    mb = step._put(batch_arrays)
+    return jax.jit(lambda p: step.grads_and_sums(p, mb, None, None)[0])(state.params)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh", [None, MESH], ids=["one_device", "2x2x2"])
+def test_remat_gives_the_same_gradient(mesh):
+    optimizer = optax.sgd(1e-3)
+    arrays = make_batch(rows=8, width=128, plan=(1,)).microbatches[0].arrays
+    grads = {}
+    for remat in (False, True):
+        grads[remat] = _flat(_grads(_step(DEEP, mesh, optimizer, remat), arrays))
+    # The same operations recomputed: only XLA's fusion choices differ, i.e. the order of fp32
+    # sums (a few ulps of the largest terms); relative to the gradient's norm well below 1e-5.
+    scale = _norm(grads[False])
+    for path, g in grads[False].items():
+        np.testing.assert_allclose(grads[True][path], g, rtol=0, atol=1e-5 * scale, err_msg=path)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "open: XLA:CPU's compiled step keeps about as many temp bytes with remat as without "
+    "(6 layers, one device: 105 vs 108 MB; 2x2x2: 12.1 vs 12.4 MB); the recomputation is "
+    "probably scheduled early. Not yet checked on a GPU."))
+@pytest.mark.timeout(300)
+def test_remat_lowers_the_compiled_steps_temp_bytes():
+    optimizer = optax.sgd(1e-3)
+    arrays = make_batch(rows=8, width=128, plan=(1,)).microbatches[0].arrays
+    temp = {}
+    for remat in (False, True):
+        step = _step(DEEP, None, optimizer, remat)
+        state = init_state(_master(DEEP), optimizer, 0.0)
+        temp[remat] = step.compiled(state, arrays).memory_analysis().temp_size_in_bytes
+    assert temp[True] < 0.6 * temp[False], temp
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("remat", [True, False], ids=["remat", "no_remat"])
+def test_plan_matches_the_placed_state_and_bounds_the_compiled_temp_bytes(remat):
+    from headrace.parallel import plan as plan_lib
+    from headrace.parallel import rules
+
+    optimizer = optax.adamw(1e-3)
+    step = _step(DEEP, MESH, optimizer, remat)
+    state = step.place(init_state(_master(DEEP), optimizer, 0.0))
+    rows, width = 8, 128
+    arrays = make_batch(rows=rows, width=width, plan=(1,)).microbatches[0].arrays
+    temp = step.compiled(state, arrays).memory_analysis().temp_size_in_bytes
+    got = plan_lib.plan(DEEP, plan_lib.abstract_mesh(MESH), optimizer, remat=remat,
+                        tokens=rows * width // 4, seq_len=width)  # rows over data x fsdp = 4
+    # Parameters and optimizer state: exact, the largest device's shards.
+    assert got.params == rules.max_bytes_per_device(state.params)
+    assert got.optimizer == rules.max_bytes_per_device(state.opt_state)
+    # Activations: a first-order count of the tensors the backward pass keeps; XLA fuses some
+    # away and adds its own scratch (gathered parameters, masks, collectives' buffers), so only
+    # the order of magnitude is asserted: within a factor of 3 of the compiled temp bytes.
+    assert temp / 3 < got.activations < 3 * temp, (got.activations, temp)
