@@ -37,11 +37,11 @@ def test_a_hanging_reset_times_out_and_its_environment_is_discarded():
     thread = threading.Thread(target=actor.run)
     thread.start()
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90
         while (metrics.snapshot().get("env/discarded", 0) < 2 or not any(
-                len(t.calls) > 1 for t in HangingResetEnv.instances[-2:])) \
-                and time.monotonic() < deadline:  # until the replacements have played
-            time.sleep(0.05)
+                len(t.calls) > 1 for t in HangingResetEnv.instances[-2:])
+                or buffer.depth() < 6) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the replacements have played and six groups are in
     finally:
         stop.set()
         thread.join(timeout=30)
