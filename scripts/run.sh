@@ -21,8 +21,9 @@ run() {
 
 setup() {
   [ -n "${HEADRACE_DRY_RUN:-}" ] && return 0
-  if [ ! -x .venv/bin/python ]; then
-    "$python" -m venv .venv
+  # A venv whose creation was cut short (no pip in it) is made again rather than used.
+  if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import pip" >/dev/null 2>&1; then
+    "$python" -m venv --clear .venv
   fi
   if ! .venv/bin/python -c "import headrace, pytest, jax" >/dev/null 2>&1 \
       || [ pyproject.toml -nt .venv/.installed ]; then
