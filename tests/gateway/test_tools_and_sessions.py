@@ -106,14 +106,16 @@ def test_exposed_without_a_token_is_refused(task):
 
 
 def test_post_sessions_and_reward_by_answer_and_idle_timeout(scripted):
-    served = scripted(["a", "b"], session_timeout_s=0.5)
+    # 3 s of idle: the calls below, each following the last, must not outlast it on a loaded
+    # machine; the expiry is then waited for (30 s at most).
+    served = scripted(["a", "b"], session_timeout_s=3.0)
     body = httpx.post(f"{served.url}/sessions", json={}).json()
     assert body["base_url"] == f"{served.url}/sessions/{body['id']}/v1"
     c = openai.OpenAI(base_url=body["base_url"], api_key="unused", max_retries=0)
     c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
     bad = httpx.post(f"{served.url}/sessions/{body['id']}/reward", json={"answer": "5"})
     assert bad.status_code == 400 and "no task" in bad.json()["error"]["message"]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     session = served.gateway.sessions[body["id"]]
     while not session.ended.is_set() and time.monotonic() < deadline:
         time.sleep(0.1)
