@@ -22,8 +22,9 @@ TASKS = {"name": "reasoning_gym",
 
 
 def run_actor(checkpoint, agent, groups, done=None, model_spec=None, max_new_tokens=6,
-              **kwargs):
-    """Runs an actor until `groups` are in the buffer (or `done(metrics)`); returns them."""
+              wait_also=None, **kwargs):
+    """Runs an actor until `groups` are in the buffer (or `done(metrics)`), and `wait_also()`
+    where given; returns them."""
     config = load(data={
         "env": {"name": "gateway", "kwargs": {"agent": agent, "tasks": TASKS, **kwargs}},
         "model": {"init_from": model_spec or f"hf:{checkpoint}"},
@@ -42,7 +43,8 @@ def run_actor(checkpoint, agent, groups, done=None, model_spec=None, max_new_tok
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not (
-                done(metrics) if done else buffer.depth() >= groups):
+                (done(metrics) if done else buffer.depth() >= groups)
+                and (wait_also is None or wait_also())):
             time.sleep(0.1)
     finally:
         stop.set()
@@ -99,6 +101,7 @@ def test_agents_of_their_own_claim_sessions_and_answer(checkpoint):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url, stop, answered, failed = f"http://127.0.0.1:{port}", threading.Event(), [], []
+    dropped: list[str] = []  # reward posts the stopping gateway hung up on
 
     def external_agent():  # another process in real use: here a thread, over HTTP only
         while not stop.is_set():
@@ -121,8 +124,12 @@ def test_agents_of_their_own_claim_sessions_and_answer(checkpoint):
                 failed.append(r.status_code)  # the run ended mid-call
                 continue
             text = r.json()["choices"][0]["message"]["content"] or ""
-            done = httpx.post(f"{url}/sessions/{session['id']}/reward", json={"answer": text},
-                              timeout=30)
+            try:
+                done = httpx.post(f"{url}/sessions/{session['id']}/reward",
+                                  json={"answer": text}, timeout=30)
+            except httpx.HTTPError as error:  # the gateway is gone (after its run ended)
+                dropped.append(repr(error))
+                continue
             if done.status_code == 200:
                 answered.append(done.json()["reward"])
             else:
@@ -131,11 +138,15 @@ def test_agents_of_their_own_claim_sessions_and_answer(checkpoint):
     agent = threading.Thread(target=external_agent, daemon=True)
     agent.start()
     try:
-        groups, metrics = run_actor(checkpoint, None, 2, port=port)
+        # The groups land in the buffer before the agent has read its reward answers: wait for
+        # both (or for the agent thread to have died, which fails below).
+        groups, metrics = run_actor(
+            checkpoint, None, 2, port=port,
+            wait_also=lambda: len(answered) >= 4 or not agent.is_alive())
     finally:
         stop.set()
         agent.join(60)
-    assert len(groups) >= 2 and len(answered) >= 4
+    assert len(groups) >= 2 and len(answered) >= 4, (answered, failed, dropped)
     # the run ended mid-episode: 503 from a stopping gateway, 404 for a session it already ended
     assert set(failed) <= {404, 503}, failed  # never a 500
     for group in groups:
