@@ -54,7 +54,11 @@ def test_batches_are_built_ahead_and_lag_is_that_of_the_train_version(model):  #
     waits = learner.metrics.distribution("learner/wait_data_s")
     assert waits.quantiles((0.5,))[0] == 0.0  # most batches were ready when their step began
     between = learner.metrics.distribution("learner/between_steps_s")  # the audit's publish_s
-    assert between.count == 5 and 0.0 <= between.max() < 1.0  # one per step after the first
+    # One per step after the first. Between steps is host bookkeeping only (the next batch's
+    # gathering, `host_s`, is left out; the weights are written on the publisher's thread):
+    # milliseconds for this model. 1 s was a speed claim a loaded machine can miss; 10 s still
+    # catches a step boundary that blocks for seconds (e.g. on a poll or store timeout).
+    assert between.count == 5 and 0.0 <= between.max() < 10.0
 
 
 @pytest.mark.timeout(120)
