@@ -263,17 +263,20 @@ def test_restarted_consumer_gets_its_unacknowledged_entries_again(harness, make_
 
 @pytest.mark.timeout(20)
 def test_idle_pending_entries_are_claimed_after_claim_idle_s(harness, make_group):
-    buffer = harness.make(claim_idle_s=0.4)
+    # 2 s: making the claimer and its first gets must not outlast it on a loaded machine, or the
+    # held entry is claimed too soon.
+    idle_s = 2.0
+    buffer = harness.make(claim_idle_s=idle_s)
     ids = buffer.put([make_group(0), make_group(1)], timeout_s=1)
+    before_held = time.monotonic()  # the held entry is delivered after this
     held = buffer.get(1, timeout_s=1)
     assert ids_of(held) == ids[:1]
     claimer = harness.claimer(buffer)
     assert ids_of(claimer.get(1, timeout_s=1)) == ids[1:]  # the idle one is not yet taken
     claimer.ack(ids[1:])
-    start = time.monotonic()
     assert claimer.get(1, timeout_s=0.1) == []
-    claimed = claimer.get(1, timeout_s=3)
-    assert time.monotonic() - start >= 0.3
+    claimed = claimer.get(1, timeout_s=10)  # idle_s, then the next claim round (Redis: 1 s)
+    assert time.monotonic() - before_held >= idle_s - 0.05  # not before it was idle that long
     assert ids_of(claimed) == ids[:1] and claimed[0].delivery_count == 2
     assert claimer.stats()["buffer/redelivered"] == 1
     assert claimer.pending() == 1

@@ -398,22 +398,25 @@ def test_processes_of_one_learner_never_claim_each_others_entries(redis_server, 
     claims them after claim_idle_s (it would train them a second time). An orphan's entries (a
     consumer of an earlier layout, not a peer) are still claimed."""
     names = ["learner-0", "learner-1"]
-    a, b, orphan = (RedisBuffer(redis_server.url, run_id=run_id, consumer=name, claim_idle_s=0.2)
-                    for name in (*names, "learner-2"))
+    # 1 s: the gets below must come before a's entry is idle that long (else the orphan could
+    # claim it); a loaded machine can take a few hundred ms for them.
+    idle_s = 1.0
+    a, b, orphan = (RedisBuffer(redis_server.url, run_id=run_id, consumer=name,
+                                claim_idle_s=idle_s) for name in (*names, "learner-2"))
     try:
         for buffer in (a, b):
             buffer.share_with(names)
         ids = a.put([make_group(i) for i in range(3)], timeout_s=1)
         assert [e.id for e in a.get(1, timeout_s=1)] == ids[:1]  # held by a peer
         assert [e.id for e in orphan.get(1, timeout_s=1)] == ids[1:2]  # held by an orphan
-        time.sleep(0.5)  # both idle past claim_idle_s
+        time.sleep(idle_s + 0.5)  # both idle past claim_idle_s
         got = []
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 10
         while len(got) < 2 and time.monotonic() < deadline:
             got += b.get(10, timeout_s=0.5)
         assert sorted(e.id for e in got) == ids[1:]  # the orphan's and the new one; not a's
         assert {e.id: e.delivery_count for e in got}[ids[1]] == 2
-        assert b.get(10, timeout_s=0.6) == []  # a's entry stays a's
+        assert b.get(10, timeout_s=1.5) == []  # a's entry stays a's (claim rounds: 0.5 s)
         a.ack(ids[:1])
         b.ack(ids[1:])
         assert a.pending() == 0
