@@ -21,7 +21,9 @@ from tests.runtime.hanging_env import HangingResetEnv
 def test_a_hanging_reset_times_out_and_its_environment_is_discarded():
     config = load(data={
         "run": {"launcher": "threads"},
-        "env": {"name": "tests.runtime.hanging_env:HangingResetEnv", "reset_timeout_s": 0.5},
+        # 2 s: a trivial reset (on a worker thread) must not outlast it on a loaded machine, or
+        # a third timeout spoils the exact counts below; the hung ones wait 120 s regardless.
+        "env": {"name": "tests.runtime.hanging_env:HangingResetEnv", "reset_timeout_s": 2.0},
         "actor": {"envs_per_actor": 4, "group_size": 2, "max_batch": 8},
         "sampling": {"max_new_tokens": 1}, "shapes": {"buckets": [8]}, "model": {"max_len": 8}})
     task = build.build_task(config)
@@ -52,7 +54,8 @@ def test_a_hanging_reset_times_out_and_its_environment_is_discarded():
     statuses = [[t.status for t in g.trajectories] for g in groups]
     timed_out = [g for g, s in zip(groups, statuses) if s == [STATUS_ERROR] * 2]
     assert len(timed_out) == 1, statuses  # the hung slot's first group, nothing else
-    assert all("environment reset exceeded 0.5 s" in t.error for t in timed_out[0].trajectories)
+    exceeded = f"environment reset exceeded {config.env.reset_timeout_s} s"  # 2.0 s
+    assert all(exceeded in t.error for t in timed_out[0].trajectories)
     assert sum(s == [STATUS_OK] * 2 for s in statuses) == len(groups) - 1
     snapshot = metrics.snapshot()
     assert snapshot["env/timeouts"] == 2 and snapshot["env/discarded"] == 2

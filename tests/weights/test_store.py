@@ -322,7 +322,7 @@ def test_a_symbolic_link_in_a_version_folder_is_not_followed(tmp_path):
         store.load(0)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)  # above the 30 s wait for the readers plus their 30 s joins
 def test_concurrent_reader_never_sees_a_partial_version(open_durable):
     opener, _ = open_durable
     writer = opener("shared", keep=2)
@@ -355,6 +355,11 @@ def test_concurrent_reader_never_sees_a_partial_version(open_durable):
     try:
         for version in range(1, 51):
             writer.publish(make_params(version, scale=8), version)
+        # Fast publishes can all end before a slow (loaded) reader has finished one load: the
+        # readers go on loading the last version, so wait until each has seen one.
+        deadline = time.monotonic() + 30
+        while not all(seen) and not errors and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
         stop.set()
         for thread in threads:
