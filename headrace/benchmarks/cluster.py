@@ -54,9 +54,12 @@ WATCH_TIMEOUT_S = 600.0
 # but 0.625 once at load average 16, under the random + 0.3 = 0.63 bar; 160 leaves margin.
 STEPS = 160
 # The GCS declares a node dead after this many missed health checks (Ray's defaults take ~30 s;
-# a short run would end before its actors restarted).
+# a short run would end before its actors restarted). A killed node refuses the checks at once:
+# ~5 s (30 s at most, each check waiting its timeout). A live node starved of CPU on a loaded
+# machine must miss five checks of 5 s each in a row, not three of 1 s, to be declared dead.
+# (The node killer waits up to WATCH_TIMEOUT_S for the moved actors: that covers it.)
 HEALTH_CHECKS = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
-                 "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
+                 "health_check_timeout_ms": 5000, "health_check_failure_threshold": 5}
 
 
 def settings(run_dir: pathlib.Path, steps: int) -> list[str]:

@@ -94,7 +94,7 @@ class Runner:
         if not a.quick:
             return sets + [f"run.max_wall_s={a.budget_s}", f"run.max_steps={steps}"]
         return sets + ["run.launcher=threads", "run.max_steps=1", "run.eval_every=0",
-                       "run.max_wall_s=60", "buffer.backend=memory", "weights.backend=memory",
+                       "run.max_wall_s=300", "buffer.backend=memory", "weights.backend=memory",
                        "actor.envs_per_actor=8", "actor.max_batch=8",
                        "learner.groups_per_batch=1", "learner.minibatches=1"]
 

@@ -98,7 +98,11 @@ def overrides(args: argparse.Namespace, out: pathlib.Path) -> list[str]:
                  f"run.max_steps={QUICK_STEPS}", "buffer.backend=memory",
                  "weights.backend=memory", f"env.kwargs.eval_size={QUICK_EVAL}",
                  "actor.envs_per_actor=16", "actor.max_batch=16", "learner.groups_per_batch=2",
-                 "sampling.max_new_tokens=8", "learner.optimizer.lr=1e-3", "shapes.buckets=[256]"]
+                 "sampling.max_new_tokens=8", "learner.optimizer.lr=1e-3", "shapes.buckets=[256]",
+                 # admission then lets v0 generate only steps 1-2's groups: step 3 trains data
+                 # acted with weights >= v1 (the example's lag 2 admits all three at v0 while
+                 # the learner compiles, and the actors may never act with a published version)
+                 "staleness.max_policy_lag=1"]
     return sets
 
 
@@ -196,12 +200,13 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0],
                                      parents=[benchlib.bench_parser()])
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="training seconds (run.max_wall_s); default 1800, 180 with --quick")
+                        help="training seconds (run.max_wall_s); default 1800, 400 with --quick "
+                             "(a safety cap there: the quick run stops at its steps)")
     parser.add_argument("--out", type=pathlib.Path, default=None,
                         help="keep the run folder, the PNG and result.json here")
     args = parser.parse_args(argv)
     if args.budget_s is None:
-        args.budget_s = 180.0 if args.quick else 1800.0
+        args.budget_s = 400.0 if args.quick else 1800.0
     if args.budget_s <= 0:
         parser.error("--budget-s must be > 0")
     logging.getLogger().setLevel(logging.WARNING)

@@ -258,8 +258,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="learner.loss.rho_max of every run (where truncated_is and decoupled "
                              "cap their importance weights)")
     parser.add_argument("--max-wall-s", type=float, default=None,
-                        help="safety cap per run in seconds, default 900 (120 with --quick); a "
-                             "capped run says so in stopped_by")
+                        help="safety cap per run in seconds, default 900 (600 with --quick, "
+                             "where the step count ends each run); a capped run says so in "
+                             "stopped_by")
     parser.add_argument("--out", type=pathlib.Path, default=None,
                         help="keep run folders (and result.json) here instead of a temp dir")
     args = parser.parse_args(argv)
@@ -279,7 +280,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         # two reads of its step (half a second) still leaves at least one before the last step
         args.steps = 16 if args.steps is None else args.steps
         args.eval_every = 4 if args.eval_every is None else args.eval_every
-        args.max_wall_s = 120.0 if args.max_wall_s is None else args.max_wall_s
+        # a safety cap only: the step count ends each run (the cap counts start-up and compiles,
+        # which on a loaded machine can take minutes, and a capped run falls short of its steps)
+        args.max_wall_s = 600.0 if args.max_wall_s is None else args.max_wall_s
     args.steps = DEFAULT_STEPS if args.steps is None else args.steps
     args.eval_every = DEFAULT_EVAL_EVERY if args.eval_every is None else args.eval_every
     args.max_wall_s = 900.0 if args.max_wall_s is None else args.max_wall_s

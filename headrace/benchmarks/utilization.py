@@ -192,9 +192,13 @@ def learner_alone(args, run_dir: pathlib.Path) -> dict:
         supervisor.start_learner()
         first = None
         metrics: dict = {}
+        # --quick stops at its steps (the learner process exits at run.max_steps): the window
+        # after the first step is then only a cap, as long as the start-up's (a loaded machine
+        # may take more than `duration` to the evaluation pins the curve needs)
+        window_s = args.warmup_allowance if args.quick else args.duration
         with benchlib.StealClock(config.run.learner_cpus) as clock:
             try:
-                while time.time() - (first or start) < (args.duration if first else
+                while time.time() - (first or start) < (window_s if first else
                                                          args.duration + args.warmup_allowance):
                     time.sleep(0.5)
                     metrics = read_metrics(server.client(), run_id)
@@ -328,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         args.env_latency, args.duration, args.groups_per_batch = 0.05, 5.0, 4
         # The allowance only caps a run that is slow to start (a quick run stops at its steps):
         # on a loaded 2-core machine the async way took over 35 s to its first step.
-        args.prefill_groups, args.warmup_allowance = 64, 120.0
+        args.prefill_groups, args.warmup_allowance = 64, 300.0
         args.d_model, args.n_layers = 64, 2
     if min(args.epochs, args.groups_per_batch, args.seeds, args.eval_every) < 1 or \
             args.env_latency < 0:

@@ -11,11 +11,11 @@ import sys
 import pytest
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)
 def test_quick_real_bench_trains_publishes_and_evaluates(tmp_path):
     result = subprocess.run([sys.executable, "-m", "headrace.cli", "bench", "real", "--quick",
                              "--json", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=400)
+                            capture_output=True, text=True, timeout=880)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(result.stdout)
     assert data["model"].startswith("hf:") and data["env"]["dataset"] == "chain_sum"

@@ -30,11 +30,11 @@ def _bench_module():
 bench = _bench_module()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 def test_quick_bench_prints_every_key_and_forced_lag_shows(tmp_path):
     result = subprocess.run([sys.executable, "-m", "headrace.cli", "bench", "staleness",
                              "--quick", "--json", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=230, cwd=ROOT)
+                            capture_output=True, text=True, timeout=880, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(result.stdout)  # stdout is exactly one JSON object
     assert not data["interrupted"]
@@ -77,7 +77,7 @@ def test_quick_bench_prints_every_key_and_forced_lag_shows(tmp_path):
     assert set(data["largest_kept_lag"]) == {"lag", "lag_updates", "corrections", "threshold"}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(420)
 def test_ctrl_c_stops_the_bench_cleanly_with_partial_results(tmp_path, interrupt):
     process = subprocess.Popen(
         [sys.executable, "-m", "headrace.cli", "bench", "staleness", "--json", "--seeds", "2",
@@ -85,7 +85,7 @@ def test_ctrl_c_stops_the_bench_cleanly_with_partial_results(tmp_path, interrupt
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         metrics = tmp_path / "k0-none-s0" / "metrics.jsonl"
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 300  # start-up and compiles, on a loaded machine
         while time.monotonic() < deadline and process.poll() is None:
             if metrics.exists() and any(json.loads(line).get("step", 0) >= 1
                                         for line in metrics.read_text().splitlines()):

@@ -136,7 +136,7 @@ def _wait_gone(pids: set[int], timeout_s: float) -> set[int]:
     return _alive(pids)
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("processes", [1, 2])
 def test_sigkill_then_resume_keeps_the_accounting_identity_exactly(tmp_path, processes):
     """One learner process, or two (jax.distributed, 2 simulated devices each) whose
@@ -158,10 +158,10 @@ def test_sigkill_then_resume_keeps_the_accounting_identity_exactly(tmp_path, pro
          "--set", f"run.dir={run_dir}", *SMALL, *layout, "--set", "run.max_steps=100000"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # start-up, compiles, 6 steps: a loaded machine
         while len(_checkpoints(run_dir)) < 2 or _pending(run_dir) == 0:
             assert first.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoints within 120 s"
+            assert time.monotonic() < deadline, "no checkpoints within 300 s"
             time.sleep(0.2)
         tree = _members(first.pid) | _redis_pids(run_dir)
         assert len(tree) >= 3 + processes, tree  # supervisor, learners, actor, redis-server
@@ -180,7 +180,7 @@ def test_sigkill_then_resume_keeps_the_accounting_identity_exactly(tmp_path, pro
         [*base, "--resume", str(run_dir), "--json", "--set", f"run.max_steps={target}"],
         stdout=subprocess.PIPE, stderr=log, start_new_session=True, env=env)
     try:
-        out, _ = second.communicate(timeout=150)
+        out, _ = second.communicate(timeout=400)
         # Nothing is left behind (the resource tracker takes a moment to see its pipe close).
         left = _wait_gone(_members(second.pid) | _redis_pids(run_dir), 10)
     finally:

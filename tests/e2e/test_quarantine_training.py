@@ -104,7 +104,7 @@ def _children() -> dict[int, str]:
     return found
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(420)
 def test_malformed_entries_are_quarantined_and_counted_while_training_continues(
         tmp_path, redis_server_factory, group_factory):
     server = redis_server_factory().start()
@@ -120,7 +120,7 @@ def test_malformed_entries_are_quarantined_and_counted_while_training_continues(
     ])
     payloads = bad_payloads(group_factory(7))
     before = set(_children())
-    injector = Injector(run_dir, server.url, payloads)
+    injector = Injector(run_dir, server.url, payloads, deadline_s=300)  # a loaded machine
     injector.start()
     try:
         summary = processes.train(config, live=False)

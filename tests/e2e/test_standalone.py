@@ -66,7 +66,7 @@ def _step(run_dir: pathlib.Path) -> int:
         return 0  # not written yet, or a line being written
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)  # 300 s to the kill, then a resume of up to 420 s
 def test_a_learner_and_two_actor_processes_train_guess_number_through_a_fleet_crash(tmp_path):
     password = "pw-" + os.urandom(8).hex()
     env = {**os.environ, "HEADRACE_REDIS_PASSWORD": password}
