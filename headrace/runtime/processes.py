@@ -43,7 +43,9 @@ from headrace.runtime import build, resume, supervise, worker
 log = logging.getLogger(__name__)
 
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
-GRACE_S = 20.0
+# How long a stopping child may take to finish its step (a compile of a new shape included) and
+# its final checkpoint before it is killed: a kill is for a hang, and costs the final checkpoint.
+GRACE_S = 120.0
 HEALTHY_S = 120.0  # an actor that ran this long before crashing starts a fresh restart count
 
 
