@@ -202,33 +202,31 @@ def _load(load, path, *args, **kwargs):
 
 
 def _config_or_resume(args, command: str):
-    """The config of `headrace train` / `learner` (CONFIG, or RUN_DIR's for --resume), or the
-    one-line mistake: (config, None) or (None, exit status)."""
-    from headrace.config import load
+    """The config of `headrace train` / `learner`: CONFIG's, or RUN_DIR's for --resume. Called
+    inside `_launch`, whose ConfigError is the one-line mistake."""
+    from headrace.config import ConfigError, load
 
     if args.resume and args.config:
-        return None, _fail("give either a CONFIG or --resume RUN_DIR (whose config.yaml is "
-                           "used), not both")
+        raise ConfigError("give either a CONFIG or --resume RUN_DIR (whose config.yaml is used), "
+                          "not both")
     if not args.config and not args.resume:
-        return None, _fail(f"{command} needs a CONFIG file (e.g. examples/guess_number.yaml)")
+        raise ConfigError(f"{command} needs a CONFIG file (e.g. examples/guess_number.yaml)")
     if args.resume:
         from headrace.runtime import resume
 
-        return (lambda: _load(resume.load_config, args.resume, args.set)), None
-    return (lambda: _load(load, args.config, args.set)), None
+        return _load(resume.load_config, args.resume, args.set)
+    return _load(load, args.config, args.set)
 
 
 def _train(args) -> int:
-    config, status = _config_or_resume(args, "train")
-    if config is None:
-        return status
     live = not args.no_live and not args.json and sys.stderr.isatty()
 
     def start():
         from headrace.runtime import train  # with --resume: the launcher the run started with
 
+        config = _config_or_resume(args, "train")
         resuming = {"resume_dir": args.resume} if args.resume else {}
-        return train(config(), live=live, t0=args.t0, **resuming)
+        return train(config, live=live, t0=args.t0, **resuming)
 
     return _launch(start, args.json, ("final_success_rate", "time_to_target_s",
                                       "learner_utilization", "steps", "episodes", "wall_s",
@@ -260,12 +258,9 @@ def _launch(start, as_json: bool, keys: tuple[str, ...]) -> int:
 def _learner(args) -> int:
     from headrace.runtime import standalone_launch as standalone
 
-    config, status = _config_or_resume(args, "learner")
-    if config is None:
-        return status
     live = not args.no_live and not args.json and sys.stderr.isatty()
-    return _launch(lambda: standalone.learner(config(), live=live, resume_dir=args.resume,
-                                              t0=args.t0),
+    return _launch(lambda: standalone.learner(_config_or_resume(args, "learner"), live=live,
+                                              resume_dir=args.resume, t0=args.t0),
                    args.json, ("final_success_rate", "learner_utilization", "steps", "episodes",
                                "wall_s", "stopped_by", "run_dir"))
 

@@ -26,12 +26,11 @@ from typing import Any
 
 from headrace import config as config_lib
 from headrace.config import Config, load
-from headrace.runtime import build, processes
+from headrace.runtime import build, processes, standalone
 
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 120.0  # the bundle's reservation and the server's start
-_WILDCARD = ("0.0.0.0", "::", "")
 
 
 def host_name(run_dir: pathlib.Path) -> str:
@@ -62,9 +61,8 @@ class BufferHost:
         server, config = build.start_embedded_redis(load(data=config_data),
                                                     pathlib.Path(run_dir), resume=resume)
         self.server = server
-        url = server.url
-        if config.buffer.host in _WILDCARD:
-            url = url.replace(f"@{server.host}:", f"@{ray.util.get_node_ip_address()}:")
+        url = standalone.connect_url(server.url, config.buffer.host,
+                                     address=ray.util.get_node_ip_address())
         return url, config.buffer.password, self.node()
 
     def running(self) -> bool:

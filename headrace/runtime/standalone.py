@@ -74,11 +74,12 @@ def announce(client: redis.Redis, run_id: str, weights, url: str, config: Config
                 "headrace actor CONFIG --connect %s\nweights: %s", run_id, shown, path)
 
 
-def connect_url(url: str, host: str) -> str:
-    """The URL actors on other machines use: a wildcard bind address becomes this host's name."""
+def connect_url(url: str, host: str, address: str | None = None) -> str:
+    """The URL actors on other machines use: a wildcard bind address `host` becomes `address`
+    (by default this machine's name)."""
     if host in _WILDCARD:
-        return url.replace(f"@{host}:", f"@{socket.getfqdn()}:").replace(
-            f"//{host}:", f"//{socket.getfqdn()}:")
+        address = address or socket.getfqdn()
+        return url.replace(f"@{host}:", f"@{address}:").replace(f"//{host}:", f"//{address}:")
     return url
 
 

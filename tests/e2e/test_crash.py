@@ -227,6 +227,9 @@ def test_resume_and_fresh_runs_refuse_the_wrong_folder(tmp_path, capsys):
     assert "not a resumable run folder" in capsys.readouterr().err
     assert main(["train", "examples/guess_number.yaml", "--resume", str(tmp_path)]) == 2
     assert "not both" in capsys.readouterr().err
+    for command in ("train", "learner"):
+        assert main([command]) == 2
+        assert f"{command} needs a CONFIG file" in capsys.readouterr().err
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "run.json").write_text(json.dumps({"run_id": "abc", "ledger": False}))
