@@ -309,7 +309,7 @@ class Chaos:
             run.cleanup()
         final = check(self.run_dir, None)
         self.record("end", final, self.steps)
-        success = summary.get("final_success_rate", 0.0)
+        success = summary.get("final_success_rate") or 0.0  # None: the run failed
         if not self.args.quick and success < RANDOM_SUCCESS + 0.3:
             self.problems.append(f"the run did not learn: greedy success {success:.3f} < "
                                  f"{RANDOM_SUCCESS + 0.3:.3f}")

@@ -295,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             report, problems = scenario(work, steps, kill_at)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if not args.quick and report["success_rate"] < RANDOM_SUCCESS + 0.3:
-        problems.append(f"the run did not learn: greedy success {report['success_rate']:.3f} "
+    if not args.quick and (report["success_rate"] or 0.0) < RANDOM_SUCCESS + 0.3:
+        problems.append(f"the run did not learn: greedy success {report['success_rate'] or 0.0:.3f} "
                         f"< {RANDOM_SUCCESS + 0.3:.3f}")
     return benchlib.finish(report, problems, as_json=args.json, title="headrace bench cluster")
 

@@ -164,7 +164,8 @@ def bench_calculator(runner: Runner) -> tuple[dict, str]:
                             [*off, f"model.init_from={plain_sft['run_dir']}"])
     result["no_tool"] = baseline
     result["no_tool_final_success_rate"] = baseline["final_success_rate"]
-    result["tool_gain"] = result["final_success_rate"] - baseline["final_success_rate"]
+    both = (result["final_success_rate"], baseline["final_success_rate"])
+    result["tool_gain"] = None if None in both else both[0] - both[1]  # None: a run failed
     result["sft"] = {"tool": tool_sft, "no_tool": plain_sft}
     return result, tool_sft["run_dir"]
 
@@ -265,8 +266,17 @@ def main(argv: list[str] | None = None) -> int:
         result = run_bench(args, out)
         if args.out is not None:
             (out / "result.json").write_text(json.dumps(result, indent=2))
-    benchlib.emit(result, as_json=args.json, title="headrace bench envs")
-    return 0
+    return benchlib.finish(result, failed_runs(result), as_json=args.json,
+                           title="headrace bench envs")
+
+
+def failed_runs(result: dict) -> list[str]:
+    """A line for each run that ended with errors (the bench then exits 1)."""
+    runs = [(name, figures) for name, figures in result["envs"].items()]
+    runs += [(f"{name} (no tool)", figures["no_tool"]) for name, figures in result["envs"].items()
+             if "no_tool" in figures]
+    return [f"{name}: the run failed: {'; '.join(figures['errors'])}"
+            for name, figures in runs if figures.get("errors")]
 
 
 log = logging.getLogger("headrace.bench.envs")

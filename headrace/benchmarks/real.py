@@ -176,6 +176,9 @@ def run_bench(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]:
     log.warning("bench real: base held-out success %s", base)
     t0 = time.time()
     summary = train(config, live=False, t0=t0)
+    if summary["errors"]:  # reported as it is: no figures of a run that failed
+        return {"quick": args.quick, "model": config.model.init_from, "base": base,
+                **{k: summary[k] for k in ("steps", "wall_s", "stopped_by", "errors", "run_dir")}}
     figures = run_figures(summary, base["tasks"])
     records = figures.pop("_records")
     last = records[-1] if records else {}
@@ -219,9 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         result = run_bench(args, out)
         if args.out is not None:
             (out / "result.json").write_text(json.dumps(result, indent=2))
-        result["png_written"] = pathlib.Path(result["png"]).stat().st_size > 0
-    benchlib.emit(result, as_json=args.json, title="headrace bench real")
-    return 0
+        if "png" in result:
+            result["png_written"] = pathlib.Path(result["png"]).stat().st_size > 0
+    return benchlib.finish(result, [f"the run failed: {e}" for e in result["errors"]],
+                           as_json=args.json, title="headrace bench real")
 
 
 log = logging.getLogger("headrace.bench.real")

@@ -129,7 +129,8 @@ def read_run(run_dir: pathlib.Path, summary: dict[str, Any], lag: int) -> dict[s
     curve = summary.get("eval_curve", [])
     periodic = [p["success_rate"] for p in curve[:-1] if p["step"] < steps]
     return {
-        "final_success_rate": summary["final_success_rate"],
+        "final_success_rate": summary["final_success_rate"] if summary["final_success_rate"]
+        is not None else float("nan"),  # None: the run failed (its errors are in the row)
         "success_auc": _mean(periodic),
         "lag_mean": _mean(steady),
         "dropped_lag": int(last.get("staleness/dropped_lag", 0)),

@@ -222,15 +222,24 @@ def watch(config: Config, t0: float, *, snapshot: Callable[[], dict[str, float]]
 
 def finish(run_dir: pathlib.Path, t0: float, evaluator: Evaluator, reporter: Reporter,
            snapshot: dict[str, float], stopped_by: str, errors: list[str]) -> dict[str, Any]:
-    """Final greedy evaluation of the last weights, last metrics record, summary.json."""
+    """Final greedy evaluation of the last weights, last metrics record, summary.json.
+
+    A failed run is reported at once: no final evaluation (minutes for a real model, of weights
+    that may be version 0); its `final_success_rate` is the last periodic point, or None."""
     step = int(snapshot.get("learner/step", 0))
     evaluator.drain(step)
-    final = evaluator.evaluate_version(step, evaluator.weights.latest_version())
-    snapshot = {**snapshot, "eval/success_rate": final["success_rate"]}
+    final_success: float | None
+    if stopped_by == "error":
+        log.warning("the run failed: no final evaluation")
+        final_success = evaluator.curve[-1]["success_rate"] if evaluator.curve else None
+    else:
+        final = evaluator.evaluate_version(step, evaluator.weights.latest_version())
+        final_success = final["success_rate"]
+        snapshot = {**snapshot, "eval/success_rate": final_success}
     reporter.report(step, snapshot, time.time() - t0, force=True)
     reporter.close()
     summary = {
-        "final_success_rate": final["success_rate"],
+        "final_success_rate": final_success,
         "time_to_target_s": evaluator.time_to_target_s,
         "learner_utilization": snapshot.get("learner/utilization", 0.0),
         "steps": step,

@@ -56,6 +56,8 @@ def _check(summary: dict, run_dir: pathlib.Path, words: str) -> None:
     assert "injected fault" in summary["errors"][0]
     written = json.loads((run_dir / "summary.json").read_text())
     assert written["stopped_by"] == "error" and written["errors"] == summary["errors"]
+    # a failed run is reported at once: no final evaluation (eval_every=0: no periodic one)
+    assert summary["final_success_rate"] is None and written["eval_curve"] == []
 
 
 @pytest.mark.timeout(180)
