@@ -72,6 +72,9 @@ class LearnerConfig:
     minibatches: int = 1  # optimizer updates per pass over the step's groups
     epochs: int = 1  # passes over the step's groups (updates per trajectory; PPO's epochs)
     token_budget: int = 0  # tokens per microbatch at most (0: one microbatch per minibatch)
+    # float32 logits computed at most this many MiB at a time: a microbatch's tokens in chunks,
+    # each recomputed in the backward pass (0: all at once)
+    logits_mib: int = 256
     max_nonfinite_steps: int = 10  # consecutive steps with a non-finite update stop the run (0: never)
     # dtype of the learner's parameters, gradients and optimizer state (the master copy); the
     # forward/backward runs on a model.dtype cast of it, and weights are published in model.dtype
@@ -88,6 +91,8 @@ class LearnerConfig:
         _check(self.entropy_coef >= 0, "learner.entropy_coef", self.entropy_coef, "must be >= 0")
         _check(self.kl_coef >= 0, "learner.kl_coef", self.kl_coef, "must be >= 0")
         _check(self.token_budget >= 0, "learner.token_budget", self.token_budget, "must be >= 0")
+        _check(self.logits_mib >= 0, "learner.logits_mib", self.logits_mib,
+               "must be >= 0 (0: the logits of a microbatch at once)")
         _check(self.max_nonfinite_steps >= 0, "learner.max_nonfinite_steps",
                self.max_nonfinite_steps, "must be >= 0 (0: never stop)")
 

@@ -37,8 +37,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from headrace.learner import losses
+from headrace.model import logprobs
 from headrace.model.distribution import policy_logits
-from headrace.model.transformer import Layout, ModelDims, forward, segment_mask
+from headrace.model.transformer import Layout, ModelDims, forward, hidden, segment_mask, unembed
 from headrace.parallel.mesh import TENSOR
 
 
@@ -155,9 +156,10 @@ class ShardedForward:
       layout: what runs split over `tensor`, and where parameters are stored.
     """
 
-    def __init__(self, dims: ModelDims, layout: ShardedLayout):
+    def __init__(self, dims: ModelDims, layout: ShardedLayout, logits_mib: int = 0):
         self.dims = dims
         self.layout = layout
+        self.chunk = logprobs.chunk_tokens(dims.vocab_size, logits_mib)
 
     def logits(self, params, tokens_bt, positions_bt, segment_ids_bt) -> jax.Array:
         """float32 logits [b, t, v]: this device's vocabulary block when it is split."""
@@ -168,12 +170,16 @@ class ShardedForward:
     def logprobs(self, params, mb: dict[str, jax.Array], temperature: float,
                  allowed_v: jax.Array | None):
         """(log-prob of each next token, entropy), both [b, t-1], as `losses.token_logprobs` of
-        the full model: identical on every tensor device."""
-        logits_btv = self.logits(params, mb["tokens"], mb["positions"], mb["segment_ids"])
-        targets_bt = mb["tokens"][:, 1:]
-        if not self.layout.vocab:
-            return losses.token_logprobs(logits_btv[:, :-1], targets_bt, temperature, allowed_v)
-        return vocab_logprobs(logits_btv[:, :-1], targets_bt, temperature, allowed_v)
+        the full model: identical on every tensor device. The logits are computed `logits_mib`
+        at a time (`headrace.model.logprobs`)."""
+        x_btd, head, _ = hidden(self.dims, params, mb["tokens"], mb["positions"],
+                                segment_mask(mb["segment_ids"]), layout=self.layout)
+        of = losses.token_logprobs if not self.layout.vocab else vocab_logprobs
+
+        def chunk(x, targets):
+            return of(unembed(self.dims, head, x), targets, temperature, allowed_v)
+
+        return logprobs.chunked(chunk, x_btd[:, :-1], mb["tokens"][:, 1:], self.chunk)
 
 
 def vocab_logprobs(logits_btv, targets_bt, temperature: float, allowed_v):

@@ -102,7 +102,7 @@ class ShardedTrainStep(TrainStep):
         layout = ShardedLayout.for_model(self.dims, axis_size(self.mesh, TENSOR),
                                          {p: item.spec for p, item in self.plan.items()},
                                          remat=self.remat)
-        self.forward = ShardedForward(self.dims, layout)
+        self.forward = ShardedForward(self.dims, layout, self.config.logits_mib)
 
     def shardings_for(self, tree: Any) -> Any:
         """NamedShardings for any tree shaped like (parts of) the train state (params, optimizer

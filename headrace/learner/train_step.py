@@ -60,8 +60,9 @@ from headrace.config import LearnerConfig, OptimizerConfig
 from headrace.learner import losses
 from headrace.learner.batching import TRAIN_FIELDS, Batch
 from headrace.metrics.core import MAX, declare
+from headrace.model import logprobs
 from headrace.model import params as params_lib
-from headrace.model.transformer import LOCAL, Layout, ModelDims, forward, segment_mask
+from headrace.model.transformer import LOCAL, Layout, ModelDims, hidden, segment_mask, unembed
 
 
 class TrainState(NamedTuple):
@@ -135,22 +136,22 @@ def init_state(params, optimizer: optax.GradientTransformation, kl_coef: float,
 
 
 def _logprobs(graphdef, params, mb, temperature, allowed_v, layout: Layout = LOCAL,
-              frozen=None, lora_scale: float = 1.0):
+              frozen=None, lora_scale: float = 1.0, logits_mib: int = 0):
     """(log-prob, entropy) [b, t-1] of each next token; `graphdef` (or the model's `ModelDims`)
-    says the model, `layout` whether its blocks are rematerialised. With `frozen` (LoRA: the
-    fixed base weights) `params` are the adapters, applied on the fly with `lora_scale`."""
-    if frozen is not None:
-        dims = (graphdef if isinstance(graphdef, ModelDims)
-                else params_lib.merge(graphdef, frozen).dims)
-        logits_blv, _ = forward(dims, frozen, mb["tokens"], mb["positions"],
-                                segment_mask(mb["segment_ids"]), layout=layout, adapters=params,
-                                lora_scale=lora_scale)
-        return losses.token_logprobs(logits_blv[:, :-1], mb["tokens"][:, 1:], temperature,
-                                     allowed_v)
-    dims = graphdef if isinstance(graphdef, ModelDims) else params_lib.merge(graphdef, params).dims
-    logits_blv, _ = forward(dims, params, mb["tokens"], mb["positions"],
-                            segment_mask(mb["segment_ids"]), layout=layout)
-    return losses.token_logprobs(logits_blv[:, :-1], mb["tokens"][:, 1:], temperature, allowed_v)
+    says the model, `layout` whether its blocks are rematerialised, `logits_mib` the logits' MiB
+    at a time (`headrace.model.logprobs`). With `frozen` (LoRA: the fixed base weights)
+    `params` are the adapters, applied on the fly with `lora_scale`."""
+    base = params if frozen is None else frozen
+    dims = graphdef if isinstance(graphdef, ModelDims) else params_lib.merge(graphdef, base).dims
+    x_btd, head, _ = hidden(dims, base, mb["tokens"], mb["positions"],
+                            segment_mask(mb["segment_ids"]), layout=layout,
+                            adapters=None if frozen is None else params, lora_scale=lora_scale)
+
+    def chunk(x, targets):
+        return losses.token_logprobs(unembed(dims, head, x), targets, temperature, allowed_v)
+
+    return logprobs.chunked(chunk, x_btd[:, :-1], mb["tokens"][:, 1:],
+                            logprobs.chunk_tokens(dims.vocab_size, logits_mib))
 
 
 def _is_sums(logp, behaviour, weight) -> dict[str, jax.Array]:
@@ -204,7 +205,7 @@ def make_loss_fn(graphdef, config: LearnerConfig, temperature: float,
     def loss_fn(params, mb, prox_logp, ref_params, frozen=None):
         lp = functools.partial(_logprobs, graphdef, mb=mb, temperature=temperature,
                                allowed_v=allowed_v, layout=layout, frozen=frozen,
-                               lora_scale=lora_scale)
+                               lora_scale=lora_scale, logits_mib=config.logits_mib)
         logp, entropy = lp(params)
         ref_logp = None
         if ref_params is not None:

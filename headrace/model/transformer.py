@@ -232,7 +232,31 @@ def forward(dims: ModelDims, params: Any, tokens_bt, positions_bt, mask_bqk,
             cache: KVCache | None = None, cache_index=None, last_only: bool = False,
             layout: Layout = LOCAL, adapters: Any = None, lora_scale: float = 1.0):
     """The model's float32 logits [b, t, v] ([b, 1, v] with `last_only`; under a sharded layout
-    this device's vocabulary block) and the updated cache (None without one).
+    this device's vocabulary block) and the updated cache (None without one): `unembed` of
+    `hidden` (the arguments are `hidden`'s)."""
+    x_btd, head, new_cache = hidden(dims, params, tokens_bt, positions_bt, mask_bqk, cache,
+                                    cache_index, last_only, layout, adapters, lora_scale)
+    return unembed(dims, head, x_btd), new_cache
+
+
+def unembed(dims: ModelDims, head: jax.Array, x_btd: jax.Array) -> jax.Array:
+    """float32 logits [..., v] of final hidden states [..., d] through `hidden`'s `head`."""
+    dtype = jnp.dtype(dims.dtype)
+    if dims.tie_embeddings:
+        logits_btv = jnp.einsum("...d,vd->...v", jnp.asarray(x_btd, dtype),
+                                jnp.asarray(head, dtype))
+    else:
+        logits_btv = _dense(x_btd, head, dtype)
+    return _softcap(logits_btv.astype(jnp.float32), dims.final_softcap)
+
+
+def hidden(dims: ModelDims, params: Any, tokens_bt, positions_bt, mask_bqk,
+           cache: KVCache | None = None, cache_index=None, last_only: bool = False,
+           layout: Layout = LOCAL, adapters: Any = None, lora_scale: float = 1.0):
+    """(final hidden states [b, t, d] after the last norm, the output projection `head` in its
+    compute layout: the embedding table [v, d] of a tied model, else the unembedding kernel
+    [d, v], the updated cache or None). `unembed(dims, head, x)` finishes `forward`; the learner
+    calls it a chunk of tokens at a time (`headrace.model.logprobs`).
 
     Args:
       params: the parameter tree (`nnx.to_pure_dict` form: "embed" / "layers" / ... ).
@@ -260,13 +284,9 @@ def forward(dims: ModelDims, params: Any, tokens_bt, positions_bt, mask_bqk,
                           None if adapters is None else adapters["layers"].get(i))
         new_cache.append(kv)
     x_btd = rms_norm(x_btd, layout.param("final_norm.scale", params["final_norm"]["scale"]), dims)
-    if dims.tie_embeddings:
-        logits_btv = jnp.einsum("btd,vd->btv", x_btd, jnp.asarray(table_vd, dtype))
-    else:
-        logits_btv = _dense(x_btd, layout.param("unembed.kernel", params["unembed"]["kernel"]),
-                            dtype)
-    logits_btv = _softcap(logits_btv.astype(jnp.float32), dims.final_softcap)
-    return logits_btv, (new_cache if cache is not None else None)
+    head = (table_vd if dims.tie_embeddings
+            else layout.param("unembed.kernel", params["unembed"]["kernel"]))
+    return x_btd, head, (new_cache if cache is not None else None)
 
 
 # --- the parameters, as NNX modules (initialisation and structure) --------------------------------

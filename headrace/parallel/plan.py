@@ -14,8 +14,9 @@ per token: the norms' outputs, q/k/v (RoPE'd q and k again), the attention outpu
 the residuals, gate/up, the activation and its product, down's output, and the attention
 probabilities (causal tiles: about seq_len / 2 + QUERY_CHUNK / 2 keys per query); tensor-split
 parts divided by `tensor`. Plus the float32 logits, their log-softmax and gradient (3 x tokens x
-v / tensor). XLA's own buffer assignment (fusion, reuse, layouts) differs from this count; the
-test bounds the ratio to the compiled program's `memory_analysis()` temp bytes.
+v / tensor), of one chunk of tokens when `learner.logits_mib` (`logits_mib`) cuts them into chunks
+(`headrace.model.logprobs`). XLA's own buffer assignment (fusion, reuse, layouts) differs from
+this count; the test bounds the ratio to the compiled program's `memory_analysis()` temp bytes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
-from headrace.config import ConfigError
+from headrace.config import ConfigError, LearnerConfig
+from headrace.model import logprobs
 from headrace.model import params as params_lib
 from headrace.model.dims import ModelDims
 from headrace.model.transformer import QUERY_CHUNK
@@ -86,7 +88,8 @@ def block_activations_per_token(dims: ModelDims, tensor: int, seq_len: int) -> f
 
 
 def plan(dims: ModelDims, mesh, optimizer, *, tokens: int, seq_len: int, remat: bool,
-         master_dtype: str = "float32", overrides: dict | None = None) -> Plan:
+         master_dtype: str = "float32", overrides: dict | None = None,
+         logits_mib: int = LearnerConfig.logits_mib) -> Plan:
     """Bytes per device of the learner's state and activations on `mesh` (see the module)."""
     master = dataclasses.replace(dims, dtype=master_dtype)
     abstract = jax.eval_shape(lambda: params_lib.init(master, 0)[1])
@@ -98,7 +101,8 @@ def plan(dims: ModelDims, mesh, optimizer, *, tokens: int, seq_len: int, remat: 
     c = np.dtype(jax.numpy.dtype(dims.dtype)).itemsize
     block = block_activations_per_token(dims, tensor, seq_len) * tokens * c
     v = dims.vocab_size / tensor if dims.vocab_size % tensor == 0 else dims.vocab_size
-    logits = 3 * tokens * v * 4
+    chunk = logprobs.chunk_tokens(dims.vocab_size, logits_mib)
+    logits = 3 * min(tokens, chunk or tokens) * v * 4
     if remat:
         acts = dims.n_layers * tokens * dims.d_model * c + 2 * block + logits
     else:

@@ -51,9 +51,9 @@ def _master(dims=DIMS):
     return jax.device_get(params_lib.init(dims, 0)[1])
 
 
-def _step(dims, mesh, optimizer, remat=False):
+def _step(dims, mesh, optimizer, remat=False, logits_mib=0):
     graphdef = params_lib.graphdef(dims)
-    config = learner_config()
+    config = dataclasses.replace(learner_config(), logits_mib=logits_mib)
     if mesh is None:
         return TrainStep(graphdef, config, 1.0, optimizer, remat=remat, dims=dims)
     return ShardedTrainStep(graphdef, config, 1.0, optimizer, mesh=make_mesh(mesh), dims=dims,
@@ -112,11 +112,12 @@ def test_bf16_update_is_the_fp32_update_up_to_bf16_rounding_on_a_fp32_master(mes
     assert 0 < error < tolerance, (error, tolerance)
 
 
-def _grads(step, batch_arrays):
-    state = init_state(_master(DEEP), step.optimizer, 0.0)
+def _grads(step, batch_arrays, dims=DEEP, sums=False):
+    state = init_state(_master(dims), step.optimizer, 0.0)
     state = step._placed(state)
     mb = step._put(batch_arrays)
-    return jax.jit(lambda p: step.grads_and_sums(p, mb, None, None)[0])(state.params)
+    out = jax.jit(lambda p: step.grads_and_sums(p, mb, None, None))(state.params)
+    return out if sums else out[0]
 
 
 @pytest.mark.timeout(300)
@@ -132,6 +133,46 @@ def test_remat_gives_the_same_gradient(mesh):
     scale = _norm(grads[False])
     for path, g in grads[False].items():
         np.testing.assert_allclose(grads[True][path], g, rtol=0, atol=1e-5 * scale, err_msg=path)
+
+
+WIDE = dataclasses.replace(DIMS, vocab_size=4096)  # 1 MiB of float32 logits: 64 tokens
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh", [None, MESH], ids=["one_device", "2x2x2"])
+def test_logits_in_chunks_give_the_same_loss_and_gradient(mesh):
+    # 8 rows of 90: 712 next-token positions, 12 chunks of 60 (8 padded) on one device; on the
+    # mesh 2 rows a device, 3 chunks of 60 (2 padded), each of the two vocabulary halves.
+    optimizer = optax.sgd(1e-3)
+    arrays = make_batch(rows=8, width=90, vocab=WIDE.vocab_size, plan=(1,)).microbatches[0].arrays
+    out = {mib: _grads(_step(WIDE, mesh, optimizer, logits_mib=mib), arrays, WIDE, sums=True)
+           for mib in (0, 1)}
+    (whole, whole_sums), (chunked, chunked_sums) = out[0], out[1]
+    # Each token's log-softmax is its own: the loss terms agree to fp32 rounding. The gradient of
+    # the projection is summed chunk by chunk, then over chunks: fp32 sums in another order
+    # (a few ulps of the largest terms), relative to the gradient's norm well below 1e-5.
+    for key in ("loss/total", "loss/pg", "loss/entropy", "is/rho"):
+        np.testing.assert_allclose(float(chunked_sums[key]), float(whole_sums[key]), rtol=1e-5,
+                                   atol=1e-7, err_msg=key)
+    whole, chunked = _flat(whole), _flat(chunked)
+    scale = _norm(whole)
+    for path, g in whole.items():
+        np.testing.assert_allclose(chunked[path], g, rtol=0, atol=1e-5 * scale, err_msg=path)
+
+
+@pytest.mark.timeout(300)
+def test_logits_in_chunks_lower_the_compiled_steps_temp_bytes():
+    # 4 rows of 256 at a 16,384-token vocabulary: 64 MiB of float32 logits, kept with their
+    # log-softmax and gradient (~3x) when whole; in chunks of 4 MiB the loop keeps one chunk's.
+    dims = dataclasses.replace(DIMS, vocab_size=16384, n_layers=1)
+    optimizer = optax.sgd(1e-3)
+    arrays = make_batch(rows=4, width=256, vocab=dims.vocab_size, plan=(1,)).microbatches[0].arrays
+    temp = {}
+    for mib in (0, 4):
+        step = _step(dims, None, optimizer, logits_mib=mib)
+        state = init_state(_master(dims), optimizer, 0.0)
+        temp[mib] = step.compiled(state, arrays).memory_analysis().temp_size_in_bytes
+    assert temp[0] > 3 * 64 * 2 ** 20 * 0.9 and temp[4] < 0.25 * temp[0], temp
 
 
 @pytest.mark.xfail(strict=True, reason=(
