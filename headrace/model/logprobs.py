@@ -12,7 +12,7 @@ gradient of the projection is summed over chunks (float32 sums in another order)
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
