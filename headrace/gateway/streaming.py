@@ -92,8 +92,9 @@ class Chunks:
 
 class Stream:
     """One streamed call on a gateway (`Gateway.stream` made it: the request checked, rendered
-    on a fork as `pending`, the session's lock held). `events` generates and sends it; `close`
-    (always, once the response ends, however it ends) releases the lock."""
+    on a fork as `pending`, the session's lock held). `events` generates and sends it, and
+    closes it before its last event; `close` (always, once the response ends, however it ends;
+    idempotent) releases the lock."""
 
     def __init__(self, gateway, session, recorded: bool, request, tools, pending, start: float):
         self.gateway, self.session, self.recorded = gateway, session, recorded
@@ -119,8 +120,11 @@ class Stream:
             return
         for chunk in self.chunks.reply(body):
             yield sse(chunk)
-        yield DONE
+        # Released before the last event: a client that has read [DONE] finds the session free
+        # (a temporary one gone), not still held until the response's close runs.
         self.finished = True
+        self.close()
+        yield DONE
 
     def close(self) -> None:
         """Releases the session (idempotent); counts a stream that did not finish."""
