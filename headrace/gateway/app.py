@@ -41,7 +41,7 @@ from headrace.gateway.streaming import Stream
 log = logging.getLogger(__name__)
 
 SESSION_WAIT_S = 30.0  # POST /sessions waits this long for the runner's next session
-STOP_GRACE_S = 1.0  # how long a stopping server lets calls in flight finish
+STOP_GRACE_S = 5.0  # how long a stopping server lets its handlers send their 503s
 
 
 class GatewayConfigError(ValueError):

@@ -234,15 +234,23 @@ class Gateway:
                                code="stopping")
 
     async def unless_stopped(self, awaitable):
-        """Awaits `awaitable`, unless `shutdown` comes first: then a 503 (GatewayError)."""
+        """Awaits `awaitable`, unless `shutdown` comes first: then a 503 (GatewayError).
+
+        Once the gateway is stopping, every cancellation here is answered 503: `shutdown`'s
+        own, and the server's when its graceful-shutdown window ends before this handler ran
+        again (a loaded machine can starve the loop that long): a stopping gateway answers
+        503, never a 500. A cancellation while serving (the client gone) is not ours to answer.
+        """
         call = asyncio.ensure_future(awaitable)
         self._calls.add(call)
         try:
             return await call
         except asyncio.CancelledError:
-            if not (self.stopping and call.cancelled()
-                    and not asyncio.current_task().cancelling()):
-                raise  # the handler itself is cancelled: not ours to answer
+            if not self.stopping:
+                raise
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                task.uncancel()  # answered below instead of propagated
             self.refuse_if_stopping()
             raise
         finally:

@@ -237,6 +237,37 @@ def test_a_gateway_stopping_mid_stream_sends_an_error_event(task):
         served.stop()
 
 
+def test_a_handler_the_server_cancels_after_the_stop_answers_503(task):
+    """uvicorn cancels handlers still running when its graceful-shutdown window ends; on a
+    loaded machine that can come before a handler whose call `shutdown` cancelled ran again
+    (seen in CI as a 500 to a session claim). Both cancellations in one step: still a 503."""
+    from headrace.gateway.schemas import GatewayError
+    from headrace.gateway.service import Gateway, Settings
+    from headrace.metrics.core import Metrics
+
+    async def scenario():
+        gateway = Gateway(ScriptedEngine(task.tokenizer, []), task.tokenizer, Metrics(),
+                          Settings())
+        never = asyncio.Event()
+        handler = asyncio.create_task(gateway.unless_stopped(never.wait()))
+        await asyncio.sleep(0)  # the handler awaits its call
+        gateway.shutdown()
+        handler.cancel()  # the server's window ended before the handler ran again
+        with pytest.raises(GatewayError) as refused:
+            await handler
+        assert refused.value.status == 503 and refused.value.body["error"]["code"] == "stopping"
+        assert not handler.cancelling()
+
+        serving = asyncio.create_task(gateway.unless_stopped(never.wait()))
+        gateway.stopping = False  # while serving, a cancelled handler is not answered here
+        await asyncio.sleep(0)
+        serving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await serving
+
+    asyncio.run(scenario())
+
+
 def test_top_logprobs_an_engine_cannot_give_are_counted(scripted):
     served = scripted(["hi"])
     c = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
