@@ -280,15 +280,19 @@ class Actor:
         """
         start = time.perf_counter()
         warned_at = start
-        while not self.stop.is_set():
-            call_start = time.perf_counter()
+
+        def stamp_and_put() -> None:  # on a pool thread: the version is a store read
             group.put_version = self.weights.latest_version()
             put_at = time.time()
             for t in group.trajectories:
                 t.timings["put"] = put_at
+            self.buffer.put([group], PUT_SLICE_S)
+
+        while not self.stop.is_set():
+            call_start = time.perf_counter()
             try:
                 async with self._puts:
-                    await asyncio.to_thread(self.buffer.put, [group], PUT_SLICE_S)
+                    await asyncio.to_thread(stamp_and_put)
                 self.metrics.observe("actor/put_s", time.perf_counter() - call_start)
                 break
             except BufferFull:
