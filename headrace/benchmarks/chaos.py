@@ -20,14 +20,19 @@ redis), the accounting identity of DESIGN.md is checked exactly, by group id, fr
 (`headrace.runtime.accounting`): written = trained + dropped (by reason) + quarantined + in the
 buffer, nothing lost, nothing trained twice. A live run is paused for the check (SIGSTOP to its
 process group, SIGCONT after), so no put, acknowledgement or checkpoint lands between two reads.
-After the last fault the run trains to its `run.max_steps` and ends by itself; its final greedy
-evaluation must beat a random guesser by 0.3 (long mode; `--quick` runs too few steps to learn).
+The run has no `run.max_steps`: a fast learner can pass a fault's step by many steps before the
+fault lands (the step is read from the metrics, written every half second), and a run that ended
+by itself would leave the later faults nothing to hit. After the last fault the run trains
+`--final-steps` more steps and is stopped as a user stops one, with Ctrl-C (SIGINT to the
+`headrace train` process): it must exit 0, `stopped_by: interrupted`, with no errors; its final
+greedy evaluation must beat a random guesser by 0.3 (long mode; `--quick` runs too few steps to
+learn).
 
 Output (`--json`: one object on stdout; a table on stderr, one line per fault before it):
-`faults` (by kind), `written`, `trained`, `dropped` (by reason), `quarantined`, `in_buffer` (the
-final check's), `lost` and `trained_twice` (the most any check found: both must be 0),
-`identity_exact` (every check), `final_success_rate`. Exit status 1 when a promise was broken, a
-fault could not be injected or the run did not recover from one.
+`faults` (by kind), `steps` (the last run's), `written`, `trained`, `dropped` (by reason),
+`quarantined`, `in_buffer` (the final check's), `lost` and `trained_twice` (the most any check
+found: both must be 0), `identity_exact` (every check), `final_success_rate`. Exit status 1 when
+a promise was broken, a fault could not be injected or the run did not recover from one.
 """
 
 from __future__ import annotations
@@ -53,11 +58,11 @@ RANDOM_SUCCESS = 1 - (7 / 8) ** 3  # a uniform random guesser at n=8 with 3 gues
 CHECKPOINT_EVERY = 4
 
 
-def settings(steps: int, quick: bool) -> list[str]:
-    """`--set` overrides of examples/guess_number.yaml for a chaos run of `steps` steps."""
+def settings(quick: bool) -> list[str]:
+    """`--set` overrides of examples/guess_number.yaml for a chaos run (stopped by the bench)."""
     values = {
         "run.launcher": "processes", "buffer.fsync": "always", "run.ledger": "true",
-        "run.checkpoint_every": CHECKPOINT_EVERY, "run.max_wall_s": 0, "run.max_steps": steps,
+        "run.checkpoint_every": CHECKPOINT_EVERY, "run.max_wall_s": 0, "run.max_steps": 0,
         "run.stop_at_target": "false", "run.eval_every": 0, "run.log_every": 1,
         "env.kwargs.n": 8, "env.kwargs.max_turns": 3, "learner.minibatches": 1,
         "learner.optimizer.lr": "3e-3", "learner.groups_per_batch": 8 if quick else 16,
@@ -121,6 +126,7 @@ class Run:
 
     def __init__(self, run_dir: pathlib.Path, log, args: list[str]):
         self.run_dir = run_dir
+        self.started = time.time()
         self.out = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "headrace.cli", "train", *args, "--json", "--no-live"],
@@ -132,6 +138,12 @@ class Run:
 
     def child(self, name: str) -> int | None:
         return next((pid for pid, comm in members(self.pgid).items() if comm == name), None)
+
+    def step(self) -> int:
+        """The learner's step in the newest metrics record if this run wrote it, else 0 (after a
+        resume the file ends with the crashed run's records: its last steps were undone)."""
+        record = last_record(self.run_dir) or {}
+        return int(record.get("learner/step", 0)) if record.get("time", 0) >= self.started else 0
 
     def summary(self) -> dict | None:
         self.out.seek(0)
@@ -159,7 +171,7 @@ class Run:
 
 
 def learner_step(run_dir: pathlib.Path) -> int:
-    """The learner's step in the last metrics record (0 before the first)."""
+    """The learner's step in the last metrics record, of whichever run (0 before the first)."""
     return int((last_record(run_dir) or {}).get("learner/step", 0))
 
 
@@ -215,7 +227,6 @@ class Chaos:
         self.warmup = CHECKPOINT_EVERY + 2  # a checkpoint exists before the first fault
         self.at = [self.warmup + i * spf + self.rng.randint(0, spf // 2)
                    for i in range(len(self.plan))]
-        self.steps = self.warmup + len(self.plan) * spf + args.final_steps
         self.started = time.monotonic()
 
     def note(self, text: str) -> None:
@@ -246,8 +257,9 @@ class Chaos:
             raise RuntimeError("the run's redis-server outlived its supervisor")
         return Run(self.run_dir, self.log, ["--resume", str(self.run_dir)])
 
-    def inject(self, run: Run, kind: str) -> Run:
-        """One fault; returns the run that goes on (the same one, or a resumed one)."""
+    def inject(self, run: Run, kind: str) -> tuple[Run, int]:
+        """One fault; returns the run that goes on (the same one, or a resumed one) and the
+        learner's step when the fault came."""
         time.sleep(self.rng.uniform(0.0, 0.5))
         killed = None
         if kind in ("learner", "actor"):
@@ -278,37 +290,43 @@ class Chaos:
                                      f"{run.process.returncode}, {summary.get('errors')}")
         if kind in ("learner", "tree"):
             self.record(kind, check(self.run_dir, None), step)
-            return self.resume()
+            return self.resume(), step
         target = step + 2  # the run goes on: it trains two more steps (with a new actor)
 
         def recovered() -> bool:
             actor = run.child("actor-0")
-            return learner_step(self.run_dir) >= target and actor not in (None, killed)
+            return run.step() >= target and actor not in (None, killed)
 
         self.wait(run, f"training after the {kind} fault", recovered, 180)
         self.record(kind, check(self.run_dir, run), step)
-        return run
+        return run, step
 
     def run(self) -> dict:
         run = Run(self.run_dir, self.log, ["examples/guess_number.yaml",
                                            "--set", f"run.dir={self.run_dir}",
-                                           *settings(self.steps, self.args.quick)])
+                                           *settings(self.args.quick)])
         try:
+            step = 0
             for kind, at in zip(self.plan, self.at):
                 self.wait(run, f"learner step {at}",
-                          lambda at=at: learner_step(self.run_dir) >= at, 300)
-                run = self.inject(run, kind)
+                          lambda at=at, run=run: run.step() >= at, 300)
+                run, step = self.inject(run, kind)
+            end = step + self.args.final_steps
             # A resumed run starts processes, imports JAX and loads compiled programs first:
             # on a loaded machine that alone has taken over a minute.
-            run.process.wait(timeout=max(240.0, 10.0 * self.args.final_steps))
+            self.wait(run, f"learner step {end}", lambda: run.step() >= end,
+                      max(300.0, 10.0 * self.args.final_steps))
+            run.process.send_signal(signal.SIGINT)  # Ctrl-C: the run stops and evaluates
+            run.process.wait(timeout=300)
             summary = run.summary() or {}
-            if run.process.returncode != 0 or summary.get("steps") != self.steps:
+            if (run.process.returncode != 0 or summary.get("stopped_by") != "interrupted"
+                    or summary.get("errors") or summary.get("steps", 0) < end):
                 self.problems.append(f"the last run ended with code {run.process.returncode}: "
                                      f"{summary}")
         finally:
             run.cleanup()
         final = check(self.run_dir, None)
-        self.record("end", final, self.steps)
+        self.record("end", final, summary.get("steps", 0))
         success = summary.get("final_success_rate") or 0.0  # None: the run failed
         if not self.args.quick and success < RANDOM_SUCCESS + 0.3:
             self.problems.append(f"the run did not learn: greedy success {success:.3f} < "
@@ -320,7 +338,7 @@ class Chaos:
         for problem in self.problems:
             self.note(f"PROBLEM: {problem}")
         return {
-            "faults": dict(self.faults),
+            "faults": dict(self.faults), "steps": summary.get("steps", 0),
             "written": final["written"], "trained": final["trained"],
             "dropped": final["dropped"], "quarantined": final["quarantined"],
             "in_buffer": final["in_buffer"],

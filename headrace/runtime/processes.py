@@ -212,56 +212,59 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
         run_id = resume.read_run(run_dir)["run_id"]
     url = config.buffer.shard_url(0, server.url if server is not None else "")
     client = redis.Redis.from_url(url, password=config.buffer.password or None)
-    if resume_dir is not None:
-        try:  # refused before anything is recorded: the folder stays as it was
-            resume.check_resumable(run_dir, client, run_id)
-        except BaseException:
-            client.close()
-            if server is not None:
-                server.stop()
-            raise
-        resume.begin_resume(run_dir, as_given)
-        build.clear_pins(run_dir)  # evaluation points of steps the crash undid: trained again
-    if config.run.ledger:  # before any child opens the buffer; on every shard
-        for shard in range(config.buffer.shard_count):
-            if config.buffer.urls and shard:
-                other = redis.Redis.from_url(config.buffer.urls[shard],
-                                             password=config.buffer.password or None)
-                enable_ledger(other, run_id, shard)
-                other.close()
-            else:
-                enable_ledger(client, run_id, shard)
-    supervisor = (Supervisor(config, run_dir, url, run_id, actors=False) if standalone
-                  else make_supervisor(config, run_dir, url, run_id))
     metrics = Metrics()  # the supervisor's own: evaluation and restarts
     revive_lock = threading.Lock()
+    supervisor = None  # made once the run's keys are set up
 
     def revive() -> None:
         """Restarts a crashed embedded Redis (same port, its append-only file reloaded: with
         `buffer.fsync: always` nothing acknowledged to a writer is lost) before the children's
-        retries run out. Called every tick and by every retry of the supervisor's own reads."""
+        retries run out. Called every tick, while the learner starts, and by every retry of the
+        supervisor's own calls."""
         with revive_lock:
-            if server is not None and not server.running and not supervisor.stopping:
+            if server is not None and not server.running and not (
+                    supervisor is not None and supervisor.stopping):
                 log.warning("the embedded redis-server exited; restarting it from its "
                             "append-only file in %s", server.dir)
                 server.start()
                 metrics.count("buffer/server_restarts")
 
-    def tick() -> None:
-        revive()
-        supervisor.check()
+    def retried(what: str, fn):
+        """`fn()` on the run's Redis, a lost connection retried for 30 s (a busy server can
+        stall past redis-py's 5 s socket timeout; a crashed one is restarted)."""
+        return call_with_retry(fn, where=url, what=what, retry_s=30.0, error=BufferError,
+                               on_retry=revive)
 
     try:
+        if resume_dir is not None:
+            # refused before anything is recorded: the folder stays as it was
+            retried("the resume check", lambda: resume.check_resumable(run_dir, client, run_id))
+            resume.begin_resume(run_dir, as_given)
+            build.clear_pins(run_dir)  # evaluation points of steps the crash undid: trained again
+        if config.run.ledger:  # before any child opens the buffer; on every shard
+            for shard in range(config.buffer.shard_count):
+                if config.buffer.urls and shard:
+                    other = redis.Redis.from_url(config.buffer.urls[shard],
+                                                 password=config.buffer.password or None)
+                    enable_ledger(other, run_id, shard)
+                    other.close()
+                else:
+                    retried("enabling the ledger",
+                            lambda shard=shard: enable_ledger(client, run_id, shard))
+        supervisor = (Supervisor(config, run_dir, url, run_id, actors=False) if standalone
+                      else make_supervisor(config, run_dir, url, run_id))
+
+        def tick() -> None:
+            revive()
+            supervisor.check()
+
         task = build.build_task(config)
         build.kept_episodes(config, task)  # a config error now, not in every actor
         weights = build.make_weights(config, run_dir)
         graphdef = params_lib.graphdef(task.dims)
 
         def snapshot() -> dict[str, float]:
-            # A busy server can stall past redis-py's 5 s socket timeout: retried, not fatal.
-            merged = call_with_retry(lambda: read_metrics(client, run_id), where=url,
-                                     what="reading metrics", retry_s=30.0,
-                                     error=BufferError, on_retry=revive)
+            merged = retried("reading metrics", lambda: read_metrics(client, run_id))
             merged.update(metrics.snapshot())
             merged["actor/restarts"] = supervisor.restarts
             return merged
@@ -275,12 +278,14 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
             if gone is not None:
                 raise LaunchError(f"the learner exited before publishing version 0: "
                                   f"{gone}; see the log above")
+            revive()
             time.sleep(0.1)
         supervisor.start_actors()
         if standalone:
             from headrace.runtime import standalone as standalone_lib
 
-            standalone_lib.announce(client, run_id, weights, url, config)
+            retried("announcing the run",
+                    lambda: standalone_lib.announce(client, run_id, weights, url, config))
         reporter = supervise.Reporter(config, run_dir, live)
         evaluation = supervise.start_thread("evaluator", evaluator.run)
         try:
@@ -299,8 +304,9 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
             stopped_by = "error"
         return supervise.finish(run_dir, t0, evaluator, reporter, snapshot(), stopped_by, errors)
     finally:
-        supervisor.stop()
-        if standalone:
+        if supervisor is not None:
+            supervisor.stop()
+        if standalone and supervisor is not None:  # not for a refused resume
             from headrace.runtime import standalone as standalone_lib
 
             standalone_lib.mark_ended(client, run_id)
