@@ -29,8 +29,9 @@ What `Q` counts, and who reports it:
   * `in_flight`: live leases, one per admitted group not yet released.
   * `+ 1`: the new group.
 
-Protocol for an actor: `try_admit` (or the blocking `admit` / `wait_admit`) before starting a group;
-renew the leases with `heartbeat(actor_id)` every `lease_ttl_s / 3` or so (`Heartbeat` does it on a
+Protocol for an actor: `try_admit` (or the blocking `admit` / `wait_admit`) before starting a
+group, or `try_admit_many` (`wait_admit(count=...)`) for several groups in one round trip; renew
+the leases with `heartbeat(actor_id)` every `lease_ttl_s / 3` or so (`Heartbeat` does it on a
 thread); `release(lease)` once the group is in the buffer (after the put returns, so the group is
 never counted by neither side; briefly counting it twice only makes admission conservative), and in
 a `finally` when the group is abandoned. The learner calls `learner_update` after every read and
@@ -174,6 +175,25 @@ def decide(state: LearnerState, depth: int, in_flight: int, limits: AdmissionLim
                     p90_episode_s, reason)
 
 
+def grant(actor_id: str, state: LearnerState, depth: int, in_flight: int,
+          limits: AdmissionLimits, weights_version: int, p90_episode_s: float | None,
+          lease_ids: list[str]) -> tuple[Forecast, list[Lease]]:
+    """The rule applied to `len(lease_ids)` groups in turn, each admitted one in flight for the
+    next, up to the first refusal: the leases of the admitted ones and the last decision's
+    forecast (with no ids: the forecast for one group, and no lease). Admission is monotone in
+    the groups ahead, so no group after a refusal could be admitted."""
+    forecast, leases = decide(state, depth, in_flight, limits, weights_version, p90_episode_s), []
+    for lease_id in lease_ids:
+        if leases:
+            forecast = decide(state, depth, in_flight + len(leases), limits, weights_version,
+                              p90_episode_s)
+        if not forecast.admitted:
+            break
+        leases.append(Lease(lease_id, actor_id, weights_version, forecast.trained_at,
+                            forecast.queued_ahead))
+    return forecast, leases
+
+
 def check_update(version: int, since_publish: int, handled: int, step_s: float) -> None:
     """Raises ValueError when a learner report is out of range."""
     if version < 0 or since_publish < 0 or handled < 0 or not step_s >= 0:
@@ -209,8 +229,9 @@ class Admission(abc.ABC):
 
     @abc.abstractmethod
     def _decide(self, actor_id: str, weights_version: int, p90_episode_s: float | None,
-                reserve: bool) -> tuple[Forecast, Lease | None]:
-        """Forecasts (and, when `reserve` and admissible, takes a lease) in one atomic step."""
+                reserve: bool, count: int = 1) -> tuple[Forecast, list[Lease]]:
+        """Forecasts, and when `reserve` takes a lease for each of up to `count` groups that
+        are admissible in turn (`grant`), in one atomic step."""
 
     @abc.abstractmethod
     def release(self, lease: Lease) -> bool:
@@ -240,9 +261,20 @@ class Admission(abc.ABC):
           ValueError: `actor_id` is not a name, or a number is negative.
           AdmissionError: the store is unreachable (Redis backend).
         """
+        leases = self.try_admit_many(actor_id, weights_version, 1, p90_episode_s)
+        return leases[0] if leases else None
+
+    def try_admit_many(self, actor_id: str, weights_version: int, count: int,
+                       p90_episode_s: float | None = None) -> list[Lease]:
+        """Leases for up to `count` groups started now with weights `weights_version`: as many
+        as are admissible one after another (the first refusal ends it), in one atomic step (one
+        round trip for the Redis backend). Raises as `try_admit`, and ValueError for a count < 1.
+        """
         check_name("actor_id", actor_id)
         _check_request(weights_version, p90_episode_s)
-        return self._decide(actor_id, weights_version, p90_episode_s, True)[1]
+        if count < 1:
+            raise ValueError(f"count={count}: must be >= 1")
+        return self._decide(actor_id, weights_version, p90_episode_s, True, count)[1]
 
     def forecast(self, weights_version: int, p90_episode_s: float | None = None) -> Forecast:
         """What `try_admit` would decide now, without reserving anything."""
@@ -305,18 +337,16 @@ class InProcessAdmission(Admission):
             return self._read()[0]
 
     def _decide(self, actor_id: str, weights_version: int, p90_episode_s: float | None,
-                reserve: bool) -> tuple[Forecast, Lease | None]:
+                reserve: bool, count: int = 1) -> tuple[Forecast, list[Lease]]:
+        ids = [new_lease_id(actor_id) for _ in range(count)] if reserve else []
         with self._lock:
             now = self._expire()
             state, depth = self._read()
-            forecast = decide(state, depth, len(self._leases), self.limits, weights_version,
-                              p90_episode_s)
-            if not (reserve and forecast.admitted):
-                return forecast, None
-            lease_id = new_lease_id(actor_id)
-            self._leases[lease_id] = (actor_id, now + self.lease_ttl_s)
-        return forecast, Lease(lease_id, actor_id, weights_version, forecast.trained_at,
-                               forecast.queued_ahead)
+            forecast, leases = grant(actor_id, state, depth, len(self._leases), self.limits,
+                                     weights_version, p90_episode_s, ids)
+            for lease in leases:
+                self._leases[lease.lease_id] = (actor_id, now + self.lease_ttl_s)
+        return forecast, leases
 
     def release(self, lease: Lease) -> bool:
         with self._lock:
@@ -350,6 +380,7 @@ class Admitted:
     wait_s: float  # report as actor/admission_wait_s
     attempts: int
     last: Forecast | None  # the last refusal's forecast (None when admitted at once)
+    more: tuple[Lease, ...] = ()  # leases for other groups, when more than one was asked for
 
 
 class _Waiter:
@@ -358,7 +389,8 @@ class _Waiter:
     def __init__(self, admission: Admission, actor_id: str,
                  weights_version: int | Callable[[], int],
                  p90_episode_s: float | None | Callable[[], float | None],
-                 poll_s: float, max_poll_s: float, timeout_s: float | None):
+                 poll_s: float, max_poll_s: float, timeout_s: float | None,
+                 count: int | Callable[[], int] = 1):
         if not 0 < poll_s <= max_poll_s:
             raise ValueError(f"poll_s={poll_s}, max_poll_s={max_poll_s}: need 0 < poll_s <= "
                              "max_poll_s")
@@ -366,6 +398,7 @@ class _Waiter:
         self.admission, self.actor_id = admission, actor_id
         self._version = weights_version if callable(weights_version) else lambda: weights_version
         self._p90 = p90_episode_s if callable(p90_episode_s) else lambda: p90_episode_s
+        self._count = count if callable(count) else lambda: count
         self._delay, self._max_poll_s = poll_s, max_poll_s
         self.start = time.monotonic()
         self._deadline = None if timeout_s is None else self.start + timeout_s
@@ -375,9 +408,11 @@ class _Waiter:
         self.attempts += 1
         version, p90 = self._version(), self._p90()
         _check_request(version, p90)
-        forecast, lease = self.admission._decide(self.actor_id, version, p90, True)
-        if lease is not None:
-            return Admitted(lease, time.monotonic() - self.start, self.attempts, self.last)
+        count = max(1, self._count())
+        forecast, leases = self.admission._decide(self.actor_id, version, p90, True, count)
+        if leases:
+            return Admitted(leases[0], time.monotonic() - self.start, self.attempts, self.last,
+                            tuple(leases[1:]))
         self.last = forecast
         now = time.monotonic()
         if self._deadline is not None and now >= self._deadline:
@@ -415,11 +450,14 @@ async def wait_admit(admission: Admission, actor_id: str,
                      weights_version: int | Callable[[], int], *, stop: threading.Event,
                      p90_episode_s: float | None | Callable[[], float | None] = None,
                      poll_s: float = 0.05, max_poll_s: float = 0.5,
-                     timeout_s: float | None = None) -> Admitted:
+                     timeout_s: float | None = None,
+                     count: int | Callable[[], int] = 1) -> Admitted:
     """`admit` for an asyncio loop: sleeps with `asyncio.sleep` (a stop is seen within
-    `max_poll_s`). Each attempt is one short blocking store call (a Redis round trip)."""
+    `max_poll_s`). Each attempt is one short blocking store call (a Redis round trip) that asks
+    for `count` leases (a callable: re-read on every attempt): once one is admissible it returns
+    the first as `lease` and any others as `more`."""
     waiter = _Waiter(admission, actor_id, weights_version, p90_episode_s, poll_s, max_poll_s,
-                     timeout_s)
+                     timeout_s, count)
     while not stop.is_set():
         result = waiter.attempt()
         if isinstance(result, Admitted):

@@ -8,13 +8,14 @@ Redis Cluster slot with the stream, so one script may read them all):
   headrace:{RUN:SHARD}:admission:leases      sorted set of `actor|id` scored by expiry (server ms)
   headrace:{RUN:SHARD}:admission:actor:ID    set of that actor's lease members (expires with them)
 
-`try_admit` is one Lua script: drop expired leases, count the live ones, read the learner's state
-and the stream's counts (the `learners` group's pending entries: the learner's queue is pending -
-handled; depth is `XLEN - pending`), apply the rule of
-`headrace.buffer.admission.decide`, and take the lease only when admissible, so two actors can never
-both take the last admissible slot. Lease expiry uses the server's clock (one clock for every host).
-A call whose reply was lost is retried with the same lease id, and the script first removes that
-id, so a retry never holds two slots.
+`try_admit` (and `try_admit_many`, for several groups in one round trip) is one Lua script: drop
+expired leases, count the live ones, read the learner's state and the stream's counts (the
+`learners` group's pending entries: the learner's queue is pending - handled; depth is
+`XLEN - pending`), apply the rule of `headrace.buffer.admission.decide` to each group in turn (the
+ones admitted before it in flight), and take a lease for each admissible one, so two actors can
+never both take the last admissible slot. Lease expiry uses the server's clock (one clock for
+every host). A call whose reply was lost is retried with the same lease ids, and the script first
+removes them, so a retry never holds two slots for one group.
 
 Failure modes: a lost connection is retried with exponential backoff for at most `retry_s`, then
 `AdmissionError`. Values are kept as strings in Redis; floats cross into Lua as Python's `repr`,
@@ -40,7 +41,7 @@ from headrace.buffer.admission import (
     Lease,
     check_name,
     check_update,
-    decide,
+    grant,
     new_lease_id,
 )
 from headrace.buffer.redis_stream import GROUP, call_with_retry, connect
@@ -56,13 +57,18 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
 # KEYS: learner, handled, leases, actor set, stream(s) (every shard on this server). ARGV: stream
-# group, reserve ('1'|'0'), member, ttl_ms, weights_version, p90 ('' unknown), groups_per_batch,
+# group, reserve ('1'|'0'), count, ttl_ms, weights_version, p90 ('' unknown), groups_per_batch,
 # publish_every, max_policy_lag, max_age_s, then depth and pending of shards on other servers
-# (read just before, outside the script).
-# Returns {reason, version, since_publish, queued, depth, in_flight, step_s}.
+# (read just before, outside the script), then `count` lease members. The rule is applied to the
+# groups one after another, each admitted one in flight for the next, up to the first refusal.
+# Returns {reason, version, since_publish, queued, depth, in_flight, step_s, admitted}: the state
+# read, the last decision's reason and how many leases were taken.
 _DECIDE = _NOW + TRAINED_AT_LUA + """
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-redis.call('ZREM', KEYS[3], ARGV[3])  -- this call's own, from an attempt whose reply was lost
+local count = tonumber(ARGV[3])
+for k = 1, count do  -- this call's own, from an attempt whose reply was lost
+  redis.call('ZREM', KEYS[3], ARGV[12 + k])
+end
 local in_flight = redis.call('ZCARD', KEYS[3])
 local learner = redis.call('HMGET', KEYS[1], 'version', 'since_publish', 'step_s')
 local version, since = tonumber(learner[1] or '0'), tonumber(learner[2] or '0')
@@ -78,26 +84,30 @@ for k = 5, #KEYS do
   end
 end
 local queued = math.max(0, pending - handled)
-local ahead = queued + depth + in_flight + 1
-local trained_at, batches = forecast_trained_at(version, since, ahead, tonumber(ARGV[7]),
-                                               tonumber(ARGV[8]))
-local max_age = tonumber(ARGV[10])
-local reason = ''
-if trained_at - tonumber(ARGV[5]) > tonumber(ARGV[9]) then
-  reason = 'lag'
-elseif max_age > 0 and ARGV[6] ~= '' and
-    batches * tonumber(step_text) + tonumber(ARGV[6]) > max_age then
-  reason = 'age'
+local max_age, ttl = tonumber(ARGV[10]), tonumber(ARGV[4])
+local reason, admitted = '', 0
+for k = 1, count do
+  local ahead = queued + depth + in_flight + admitted + 1
+  local trained_at, batches = forecast_trained_at(version, since, ahead, tonumber(ARGV[7]),
+                                                 tonumber(ARGV[8]))
+  if trained_at - tonumber(ARGV[5]) > tonumber(ARGV[9]) then
+    reason = 'lag'
+  elseif max_age > 0 and ARGV[6] ~= '' and
+      batches * tonumber(step_text) + tonumber(ARGV[6]) > max_age then
+    reason = 'age'
+  end
+  if reason ~= '' or ARGV[2] ~= '1' then break end
+  redis.call('ZADD', KEYS[3], now + ttl, ARGV[12 + k])
+  redis.call('SADD', KEYS[4], ARGV[12 + k])
+  admitted = admitted + 1
 end
-if reason == '' and ARGV[2] == '1' then
-  local ttl = tonumber(ARGV[4])
-  redis.call('ZADD', KEYS[3], now + ttl, ARGV[3])
-  redis.call('SADD', KEYS[4], ARGV[3])
+if admitted > 0 then
   redis.call('PEXPIRE', KEYS[4], ttl)
-else
-  redis.call('SREM', KEYS[4], ARGV[3])
 end
-return {reason, version, since, queued, depth, in_flight, step_text}
+for k = admitted + 1, count do
+  redis.call('SREM', KEYS[4], ARGV[12 + k])
+end
+return {reason, version, since, queued, depth, in_flight, step_text, admitted}
 """
 
 # KEYS: leases, actor set. ARGV: ttl_ms. Returns the number of live leases renewed.
@@ -228,9 +238,9 @@ class RedisAdmission(Admission):
         self._call("learner_update", write)
 
     def _script(self, actor_id: str, weights_version: int, p90_episode_s: float | None,
-                reserve: bool) -> tuple[str, str, LearnerState, int, int]:
-        """Runs the decision script: (its reason, lease member, learner state, depth, in flight)."""
-        member = new_lease_id(actor_id)
+                reserve: bool, members: list[str]) -> tuple[str, LearnerState, int, int, int]:
+        """Runs the decision script for `len(members)` groups: (the last decision's reason, the
+        learner state, depth, in flight before this call, leases taken)."""
         p90 = "" if p90_episode_s is None else repr(float(p90_episode_s))
         lim = self.limits
         remote = self._remote_counts() if self._remote_counts is not None else (0, 0)
@@ -238,25 +248,26 @@ class RedisAdmission(Admission):
             "try_admit" if reserve else "forecast", self._lua["decide"],
             keys=[self.learner_key, self.handled_key, self.leases_key, self._actor_key(actor_id),
                   *self.stream_keys],
-            args=[GROUP, "1" if reserve else "0", member, self._ttl_ms, int(weights_version), p90,
-                  lim.groups_per_batch, lim.publish_every, lim.max_policy_lag,
-                  repr(float(lim.max_age_s)), int(remote[0]), int(remote[1])])
-        reason, version, since, queued, depth, in_flight, step_s = reply
+            args=[GROUP, "1" if reserve else "0", len(members), self._ttl_ms,
+                  int(weights_version), p90, lim.groups_per_batch, lim.publish_every,
+                  lim.max_policy_lag, repr(float(lim.max_age_s)), int(remote[0]),
+                  int(remote[1]), *members])
+        reason, version, since, queued, depth, in_flight, step_s, admitted = reply
         state = LearnerState(int(version), int(since), int(queued), float(_str(step_s)))
-        return _str(reason), member, state, int(depth), int(in_flight)
+        return _str(reason), state, int(depth), int(in_flight), int(admitted)
 
     def _decide(self, actor_id: str, weights_version: int, p90_episode_s: float | None,
-                reserve: bool) -> tuple[Forecast, Lease | None]:
-        reason, member, state, depth, in_flight = self._script(actor_id, weights_version,
-                                                               p90_episode_s, reserve)
-        forecast = decide(state, depth, in_flight, self.limits, weights_version, p90_episode_s)
-        if forecast.reason != reason:  # the script and `decide` must agree
-            raise AdmissionError(f"admission script decided {reason!r} but the rule says "
-                                 f"{forecast.reason!r} for {forecast}; a bug, please report it")
-        if not (reserve and forecast.admitted):
-            return forecast, None
-        return forecast, Lease(member, actor_id, weights_version, forecast.trained_at,
-                               forecast.queued_ahead)
+                reserve: bool, count: int = 1) -> tuple[Forecast, list[Lease]]:
+        members = [new_lease_id(actor_id) for _ in range(count if reserve else 1)]
+        reason, state, depth, in_flight, admitted = self._script(
+            actor_id, weights_version, p90_episode_s, reserve, members)
+        forecast, leases = grant(actor_id, state, depth, in_flight, self.limits, weights_version,
+                                 p90_episode_s, members if reserve else [])
+        if forecast.reason != reason or len(leases) != admitted:  # script and rule must agree
+            raise AdmissionError(f"admission script decided {reason!r} with {admitted} leases "
+                                 f"but the rule says {forecast.reason!r} with {len(leases)} for "
+                                 f"{forecast}; a bug, please report it")
+        return forecast, leases
 
     def release(self, lease: Lease) -> bool:
         return bool(self._call("release", self._lua["release"],
@@ -278,7 +289,7 @@ class RedisAdmission(Admission):
     def learner_state(self) -> LearnerState:
         """What the learner last reported, with the groups it holds untrained (zeros before
         its first report), as the decision script reads them."""
-        return self._script("forecast", 0, None, False)[2]
+        return self._script("forecast", 0, None, False, [new_lease_id("forecast")])[1]
 
     def drop(self) -> None:
         """Deletes this run's admission keys (learner state, leases, per-actor sets)."""

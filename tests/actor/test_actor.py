@@ -76,11 +76,12 @@ class CountingAdmission(InProcessAdmission):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.calls = 0
+        self.calls, self.most = 0, 0
 
-    def _decide(self, *args, **kwargs):
+    def _decide(self, actor_id, weights_version, p90_episode_s, reserve, count=1):
         self.calls += 1
-        return super()._decide(*args, **kwargs)
+        self.most = max(self.most, count)
+        return super()._decide(actor_id, weights_version, p90_episode_s, reserve, count)
 
 
 @pytest.mark.timeout(120)
@@ -112,14 +113,20 @@ def test_waiting_slots_queue_and_only_the_first_polls_admission():
         while admission.calls - first < 5 and time.monotonic() < deadline:  # a loaded machine
             time.sleep(0.05)
         polls, elapsed = admission.calls - first, time.monotonic() - started
+        assert buffer.depth() == 0  # nothing was admitted
+        # The learner catches up: the head slot asks for the queued slots' leases too.
+        admission.learner_update(version=0, since_publish=0, handled=0, step_s=0.1)
+        while buffer.depth() < 4 and time.monotonic() < deadline + 60:
+            time.sleep(0.05)
     finally:
         stop.set()
         thread.join(timeout=30)
     assert not thread.is_alive()
-    assert buffer.depth() == 0  # nothing was admitted
     # One waiter backs off from 5 to 50 ms: about 20 polls a second. 32 slots polling each on
     # their own would make hundreds a second.
     assert 5 <= polls <= 60 * elapsed, (polls, elapsed)
+    assert buffer.depth() >= 4 and admission.most == 32  # every slot was queued behind the head
+    assert admission.in_flight() == 0  # leases released after their puts, spare ones at the stop
 
 
 def test_kept_caches_too_large_for_memory_are_a_config_error():

@@ -255,6 +255,52 @@ def test_heartbeat_keeps_leases_alive(harness):
     assert adm.in_flight() == 0 and adm.try_admit("b", 0) is not None
 
 
+def test_many_leases_in_one_call_are_what_one_at_a_time_would_take(harness):
+    limits = AdmissionLimits(groups_per_batch=4, publish_every=1, max_policy_lag=1)
+    adm = harness.make(limits)
+    adm.learner_update(version=2, since_publish=0, handled=0, step_s=0.0)
+    assert adm.try_admit("x", 2) is not None  # one in flight before the call
+    # Q = 2..8 are trained at versions 2 or 3 (lag <= 1); Q = 9 would be trained at 4.
+    leases = adm.try_admit_many("a", 2, count=20)
+    assert [(lease.queued_ahead, lease.trained_at) for lease in leases] == [
+        (q, 2 if q <= 4 else 3) for q in range(2, 9)]
+    assert len({lease.lease_id for lease in leases}) == 7
+    assert adm.in_flight("a") == 7 and adm.in_flight() == 8
+    assert adm.try_admit_many("a", 2, count=3) == [] and adm.forecast(2).reason == REFUSED_LAG
+    assert adm.try_admit_many("a", 3, count=1)[0].queued_ahead == 9  # newer weights: admitted
+    assert all(adm.release(lease) for lease in leases) and adm.in_flight("a") == 1
+    # Each lease of a call agrees with the rule applied with the ones before it in flight.
+    state = adm.learner_state()
+    want = [decide(state, 0, 2 + k, limits, 2, None) for k in range(3)]
+    got = adm.try_admit_many("b", 2, count=3)
+    assert [(g.trained_at, g.queued_ahead) for g in got] == [
+        (w.trained_at, w.queued_ahead) for w in want]
+    with pytest.raises(ValueError, match="count=0"):
+        adm.try_admit_many("a", 2, count=0)
+
+
+@pytest.mark.timeout(30)
+def test_racing_batched_calls_take_exactly_the_admissible_slots(harness):
+    slots = 7
+    harness.make(AdmissionLimits(groups_per_batch=slots, publish_every=1, max_policy_lag=0))
+    views = [harness.another() for _ in range(6)]
+    barrier, lock, taken = threading.Barrier(len(views), timeout=10), threading.Lock(), []
+
+    def grab(index: int) -> None:
+        barrier.wait()
+        leases = views[index].try_admit_many(f"actor{index}", 0, count=3)
+        with lock:
+            taken.extend(leases)
+
+    threads = [threading.Thread(target=grab, args=(i,)) for i in range(len(views))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(taken) == slots == views[0].in_flight()
+    assert sorted(lease.queued_ahead for lease in taken) == list(range(1, slots + 1))
+
+
 def test_release_frees_the_slot(harness):
     adm = harness.make(AdmissionLimits(1, 1, 0))
     lease = adm.try_admit("a", 0)
