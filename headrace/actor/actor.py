@@ -26,7 +26,8 @@ from typing import Any
 from headrace.actor.cpu import TurnCpu
 from headrace.actor.episode import EpisodeResult, run_episode
 from headrace.actor.policy import BatchedPolicy, WeightSync
-from headrace.buffer.admission import Admission, AdmissionError, Heartbeat, Lease, wait_admit
+from headrace.buffer.admission import Admission, AdmissionError, Lease
+from headrace.buffer.admission_wait import Heartbeat, wait_admit
 from headrace.buffer.base import Buffer, BufferFull
 from headrace.config import Config
 from headrace.engines.base import StoreLoading

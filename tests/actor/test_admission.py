@@ -17,14 +17,12 @@ from headrace.buffer.admission import (
     REFUSED_LAG,
     AdmissionError,
     AdmissionLimits,
-    Heartbeat,
     InProcessAdmission,
-    admit,
     decide,
     trained_at_version,
-    wait_admit,
 )
 from headrace.buffer.admission_redis import RedisAdmission
+from headrace.buffer.admission_wait import Heartbeat, admit, wait_admit
 
 BACKENDS = ["memory", "redis"]
 
@@ -209,21 +207,32 @@ def test_racing_actors_never_exceed_the_limit(harness):
     assert views[0].in_flight() == 0
 
     # One round, all at once: exactly `slots` winners.
-    winners = []
-    barrier = threading.Barrier(len(views), timeout=10)
+    got = _all_at_once(views, lambda view, name: view.try_admit(name, 0))
+    assert sum(lease is not None for lease in got) == slots and views[0].in_flight() == slots
 
-    def grab(index: int) -> None:
+
+def _all_at_once(views, call) -> list:
+    """`call(view, "actorI")` for every view, each on its own thread, released together by a
+    barrier; their results in order (an exception in one is raised here)."""
+    barrier, results = threading.Barrier(len(views), timeout=10), [None] * len(views)
+
+    def run(index: int) -> None:
         barrier.wait()
-        if views[index].try_admit(f"actor{index}", 0) is not None:
-            with lock:
-                winners.append(index)
+        try:
+            results[index] = call(views[index], f"actor{index}")
+        except BaseException as error:  # raised by the caller
+            results[index] = error
 
-    threads = [threading.Thread(target=grab, args=(i,)) for i in range(len(views))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(views))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(10)
-    assert len(winners) == slots and views[0].in_flight() == slots
+    assert not any(t.is_alive() for t in threads)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 # Lease tests: a TTL that a loaded machine's stalls (seconds) do not outlast by accident, yet short
@@ -284,19 +293,8 @@ def test_racing_batched_calls_take_exactly_the_admissible_slots(harness):
     slots = 7
     harness.make(AdmissionLimits(groups_per_batch=slots, publish_every=1, max_policy_lag=0))
     views = [harness.another() for _ in range(6)]
-    barrier, lock, taken = threading.Barrier(len(views), timeout=10), threading.Lock(), []
-
-    def grab(index: int) -> None:
-        barrier.wait()
-        leases = views[index].try_admit_many(f"actor{index}", 0, count=3)
-        with lock:
-            taken.extend(leases)
-
-    threads = [threading.Thread(target=grab, args=(i,)) for i in range(len(views))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
+    got = _all_at_once(views, lambda view, name: view.try_admit_many(name, 0, count=3))
+    taken = [lease for leases in got for lease in leases]
     assert len(taken) == slots == views[0].in_flight()
     assert sorted(lease.queued_ahead for lease in taken) == list(range(1, slots + 1))
 
