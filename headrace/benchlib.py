@@ -176,6 +176,36 @@ def payload_group(index: int, payload_bytes: int, trajectories: int) -> Group:
     return Group(f"b{index}", f"task{index}", items)
 
 
+def token_groups(count: int, vocab: int, seed: int, *, size: int = 4, max_len: int | None = None,
+                 prompt_answer: tuple[int, int] | None = None) -> list[Group]:
+    """`count` synthetic groups of `size` trajectories for a learner step: random tokens, a loss
+    mask on the answer, behaviour log-probs near uniform, normal rewards. Lengths: fixed
+    (`prompt_answer`: prompt and answer tokens), or random in [max_len / 4, max_len] with the
+    first quarter as the prompt."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(count):
+        items = []
+        for j in range(size):
+            if prompt_answer is None:
+                n = int(rng.integers(max_len // 4, max_len + 1))
+                prompt = n // 4
+            else:
+                prompt, n = prompt_answer[0], sum(prompt_answer)
+            mask = np.arange(n) >= prompt
+            items.append(Trajectory(
+                trajectory_id=f"s{seed}.{g}.{j}", group_id=f"s{seed}.{g}", task_id=f"t{g}",
+                env="bench", actor_id="bench",
+                tokens=rng.integers(0, vocab, n).astype(np.int32), loss_mask=mask,
+                behaviour_logprobs=np.where(mask, -np.log(vocab) + rng.normal(0, 0.3, n),
+                                            0).astype(np.float32),
+                policy_version=np.where(mask, 0, -1).astype(np.int32),
+                turns=[Turn(0, prompt, "user"), Turn(prompt, n, "assistant", 0.0)],
+                reward=float(rng.normal()), timings={"started": 0.0}))
+        groups.append(Group(f"s{seed}.{g}", f"t{g}", items, put_version=0))
+    return groups
+
+
 def tail_quantiles(samples: Sequence[float]) -> tuple[float, float, float]:
     """(p50, p99, p99.9) of `samples`; NaN each without samples."""
     if not samples:

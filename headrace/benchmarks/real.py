@@ -1,6 +1,6 @@
 """`headrace bench real`: a real LLM learns a real task on this machine.
 
-    headrace bench real [--quick] [--json] [--budget-s 1800] [--out DIR]
+    headrace bench real [--quick] [--json] [--budget-s 1800] [--out DIR] [--set KEY=VALUE ...]
 
 Runs `examples/smollm2_reasoning.yaml` (SmolLM2-135M-Instruct from its package, a reasoning-gym
 task, GRPO on the async multi-process runtime):
@@ -103,7 +103,7 @@ def overrides(args: argparse.Namespace, out: pathlib.Path) -> list[str]:
                  # acted with weights >= v1 (the example's lag 2 admits all three at v0 while
                  # the learner compiles, and the actors may never act with a published version)
                  "staleness.max_policy_lag=1"]
-    return sets
+    return sets + list(args.set)
 
 
 def base_success(config) -> dict[str, Any]:
@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="training seconds (run.max_wall_s); default 1800, 400 with --quick "
                              "(a safety cap there: the quick run stops at its steps)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override on top of the example's (repeatable), as "
+                             "`headrace train --set`")
     parser.add_argument("--out", type=pathlib.Path, default=None,
                         help="keep the run folder, the PNG and result.json here")
     args = parser.parse_args(argv)

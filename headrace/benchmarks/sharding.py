@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from headrace.benchlib import bench_parser
+from headrace.benchlib import bench_parser, token_groups
 
 MESHES = ((8, 1, 1), (1, 8, 1), (1, 4, 2), (2, 2, 2))
 _CHILD = "HEADRACE_SHARDING_BENCH_CHILD"
@@ -79,30 +79,6 @@ def ensure_devices(count: int, argv: list[str]) -> int | None:
     return child.returncode
 
 
-def _groups(count: int, vocab: int, max_len: int, seed: int):
-    """Synthetic groups of 4: random tokens and lengths, a loss mask after a short prompt."""
-    from headrace.types import Group, Trajectory, Turn
-
-    rng = np.random.default_rng(seed)
-    groups = []
-    for g in range(count):
-        items = []
-        for j in range(4):
-            n = int(rng.integers(max_len // 4, max_len + 1))
-            mask = np.arange(n) >= n // 4
-            items.append(Trajectory(
-                trajectory_id=f"s{seed}.{g}.{j}", group_id=f"s{seed}.{g}", task_id=f"t{g}",
-                env="bench", actor_id="bench",
-                tokens=rng.integers(0, vocab, n).astype(np.int32), loss_mask=mask,
-                behaviour_logprobs=np.where(mask, -np.log(vocab) + rng.normal(0, 0.3, n),
-                                            0).astype(np.float32),
-                policy_version=np.where(mask, 0, -1).astype(np.int32),
-                turns=[Turn(0, n // 4, "user"), Turn(n // 4, n, "assistant", 0.0)],
-                reward=float(rng.normal()), timings={"started": 0.0}))
-        groups.append(Group(f"s{seed}.{g}", f"t{g}", items, put_version=0))
-    return groups
-
-
 def run(args) -> list[dict]:
     import jax
 
@@ -126,7 +102,7 @@ def run(args) -> list[dict]:
     learner = LearnerConfig(groups_per_batch=groups_per_step, minibatches=2,
                             loss=LossConfig(kind="ppo_clip"))
     batcher = Batcher(learner, ShapesConfig(buckets=(width,), rows_per_bucket=8), Metrics())
-    batches = [batcher.build(_groups(groups_per_step, dims.vocab_size, width, seed))
+    batches = [batcher.build(token_groups(groups_per_step, dims.vocab_size, seed, max_len=width))
                for seed in range(1 + args.steps)]
     graphdef, params = params_lib.init(dims, 0)
     params = jax.device_get(params)

@@ -51,9 +51,9 @@ def _master(dims=DIMS):
     return jax.device_get(params_lib.init(dims, 0)[1])
 
 
-def _step(dims, mesh, optimizer, remat=False, logits_mib=0):
+def _step(dims, mesh, optimizer, remat=False, logits_mib=0, kind="ppo_clip"):
     graphdef = params_lib.graphdef(dims)
-    config = dataclasses.replace(learner_config(), logits_mib=logits_mib)
+    config = dataclasses.replace(learner_config(kind), logits_mib=logits_mib)
     if mesh is None:
         return TrainStep(graphdef, config, 1.0, optimizer, remat=remat, dims=dims)
     return ShardedTrainStep(graphdef, config, 1.0, optimizer, mesh=make_mesh(mesh), dims=dims,
@@ -68,11 +68,7 @@ def _norm(flat):
     return math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in flat.values()))
 
 
-CASES = [(None, (2, 1)), (MESH, (1,)),
-         pytest.param(MESH, (1, 1), marks=pytest.mark.xfail(strict=True, reason=(
-             "open bug: on the mesh a bf16 model's second microbatch call gets the embedding's "
-             "and the final norm's gradients ~40 % off (also with the master cast inside the "
-             "shard_map, and without remat)")))]
+CASES = [(None, (2, 1)), (MESH, (1,)), (MESH, (1, 1))]
 
 
 @pytest.mark.timeout(300)
@@ -80,6 +76,13 @@ CASES = [(None, (2, 1)), (MESH, (1,)),
 def test_bf16_update_is_the_fp32_update_up_to_bf16_rounding_on_a_fp32_master(mesh, plan):
     # SGD with momentum: the first update is -lr * gradient exactly, so the update compares the
     # gradients; the momentum trace is optimizer state shaped like the parameters.
+    # The objective is smooth (REINFORCE, `loss.kind: none`, and the entropy bonus), so the
+    # first-order error analysis of `_bf16_tolerance` holds. PPO's clip and dual clip are not:
+    # a token whose ratio lies within rounding of a clip bound loses or gains its whole gradient
+    # when bf16 (or only another reduction order) moves it across. This batch has one such token
+    # (fp32 ratio 2.9965 against the dual clip's 3, advantage -1.7; 3.016 in bf16 on the mesh):
+    # with `ppo_clip` the mesh's bf16 update was 46 % off the fp32 one while every log-prob
+    # agreed within 0.021.
     # Updates ~1e-6 of a weight: far above a fp32 ulp (6e-8 relative), far below half a bf16 ulp
     # (2e-3 relative): a bf16 master would hardly move.
     lr = 1e-4
@@ -88,7 +91,7 @@ def test_bf16_update_is_the_fp32_update_up_to_bf16_rounding_on_a_fp32_master(mes
     p0 = _flat(_master())
     updates = {}
     for dims in (DIMS, BF16):
-        step = _step(dims, mesh, optimizer)
+        step = _step(dims, mesh, optimizer, kind="none")
         state = init_state(_master(), optimizer, 0.0, "float32")
         state, metrics = step(state, batch)
         assert int(state.step) == len(plan) and float(metrics["learner/skipped_nonfinite"]) == 0
@@ -99,13 +102,20 @@ def test_bf16_update_is_the_fp32_update_up_to_bf16_rounding_on_a_fp32_master(mes
         new = _flat(state.params)
         updates[dims.dtype] = {k: new[k] - p0[k] for k in p0}
         if dims is BF16:
-            # The update survives in the master; rounded to bf16 it would be lost almost entirely.
+            # The update survives in the master; rounded to bf16 it would be lost almost entirely:
+            # a weight's bf16 value changes only when a rounding boundary lies within its
+            # update, with probability |update| / (bf16 spacing at the weight), on average
+            # `expected` (0.006 after one update here, 0.011 after two).
             moved32 = np.concatenate([(u != 0).ravel() for u in updates["float32"].values()])
             moved = np.concatenate([(new[k] != p0[k]).ravel() for k in p0])[moved32].mean()
             as_bf16 = np.concatenate([
                 (jnp.asarray(new[k], jnp.bfloat16) != jnp.asarray(p0[k], jnp.bfloat16)).ravel()
                 for k in p0])[moved32].mean()
-            assert moved32.mean() > 0.5 and moved > 0.95 and as_bf16 < 0.01, (moved, as_bf16)
+            spacing = {k: 2.0 ** (np.floor(np.log2(np.abs(p0[k]) + 1e-30)) - 7) for k in p0}
+            expected = np.concatenate([np.minimum(np.abs(new[k] - p0[k]) / spacing[k], 1).ravel()
+                                       for k in p0])[moved32].mean()
+            assert moved32.mean() > 0.5 and moved > 0.95, moved
+            assert as_bf16 < 0.05 and as_bf16 < 2 * expected, (as_bf16, expected)
     u32, u16 = updates["float32"], updates["bfloat16"]
     error = _norm({k: u16[k] - u32[k] for k in u32}) / _norm(u32)
     tolerance = _bf16_tolerance(DIMS)
