@@ -17,6 +17,8 @@ import pathlib
 import sys
 import time
 
+from headrace import xla_flags
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="headrace", description=__doc__.splitlines()[0])
@@ -402,6 +404,7 @@ def _start_time(argv: list[str] | None) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    xla_flags.use_cpu_memory_scheduler()
     _compilation_cache()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

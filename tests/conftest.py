@@ -13,9 +13,13 @@ import signal
 import subprocess
 import uuid
 
-# Before JAX is imported anywhere: 8 simulated CPU devices, and one compilation cache shared by
-# every test process (subprocesses inherit these variables).
+from headrace import xla_flags
+
+# Before JAX is imported anywhere: 8 simulated CPU devices, XLA:CPU's memory scheduler (what
+# `headrace` itself asks for), and one compilation cache shared by every test process
+# (subprocesses inherit these variables).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ["XLA_FLAGS"] = xla_flags.with_cpu_memory_scheduler(os.environ["XLA_FLAGS"])
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path(__file__).resolve().parent.parent / ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")

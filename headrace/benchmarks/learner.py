@@ -3,14 +3,17 @@ remat off against on, side by side.
 
     headrace bench learner [CONFIG] [--dtypes float32,bfloat16] [--remats none,block]
                            [--prompt-len 73] [--answer-len 24] [--steps 3] [--set KEY=VALUE ...]
-                           [--quick] [--json]
+                           [--model-config CONFIG.json] [--peak-tflops T] [--quick] [--json]
 
 CONFIG (default: `examples/smollm2_reasoning.yaml`) says the model (`model.init_from`), the
 learner (loss, groups per step, group size, minibatches, buckets) and the sampler (`actor.max_batch`,
 `sampling.max_new_tokens`). For each `model.dtype` x `model.remat` the learner step is built as a
 run builds it (`learner_step`, `init_state` with `learner.master_dtype`, the real `Batcher`) and
 fed synthetic groups of the config's shape: `--prompt-len` prompt tokens and `--answer-len` answer
-tokens per episode (the example's episodes: ~73 + up to 24). Reported per variant:
+tokens per episode (the example's episodes: ~73 + up to 24). `--model-config` takes a Hugging
+Face `config.json` instead of `model.init_from`: random weights of that architecture (nothing is
+read but the file; `examples/qwen2.5_0.5b_config.json` is Qwen2.5-0.5B's), the config's learner,
+shapes and sampler kept. Reported per variant:
 
   step_s            median seconds of a learner step after the first (each step waited for)
   tokens_per_s      the batch's real tokens / step_s (what `learner/tokens_per_s` counts)
@@ -21,6 +24,13 @@ tokens per episode (the example's episodes: ~73 + up to 24). Reported per varian
                     microbatch times microbatches): remat's recomputation shows here
   gflop_per_s       gflop_per_step / step_s: the arithmetic rate the machine reached
   bf16_ops          bfloat16 values in the compiled program's text (0 when it computes in float32)
+  model_gflop_per_token  the model FLOPs of a trained token: 6 x the matmul parameters (the
+                    LM head included, the embedding lookup not) + 12 x layers x heads x head size
+                    x the episode's length (PaLM's count: causal attention not halved; packed
+                    episodes attend within themselves)
+  mfu, hfu          with `--peak-tflops`: model FLOPs per second (tokens_per_s x
+                    model_gflop_per_token) and XLA's counted FLOPs per second (gflop_per_s, remat's
+                    recomputation and masked attention included) over that peak
   sampler_tokens_per_s  (per dtype) the actors' sampler, `actor.max_batch` rows of the prompt
                     length generating `sampling.max_new_tokens` each (no stop token), median of
                     `--steps` calls after a compile
@@ -32,6 +42,7 @@ loaded through the same `hf:` path) and times two steps.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import statistics
 import sys
@@ -53,6 +64,15 @@ def _median_call(call, repeats: int) -> float:
         call()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def model_gflop_per_token(dims, params, episode_len: int) -> float:
+    """Training FLOPs of one token (6N + 12 L H e T; see the module docstring), in GFLOP."""
+    from headrace.model import params as params_lib
+
+    matmul = params_lib.count(params) - (0 if dims.tie_embeddings else dims.vocab_size * dims.d_model)
+    head_size = dims.head_size or dims.d_model // dims.n_heads
+    return (6 * matmul + 12 * dims.n_layers * dims.n_heads * head_size * episode_len) / 1e9
 
 
 def learner_row(config, task, params, steps: int, prompt_answer: tuple[int, int]) -> dict:
@@ -93,7 +113,8 @@ def learner_row(config, task, params, steps: int, prompt_answer: tuple[int, int]
             "temp_mib": analysis.temp_size_in_bytes / 2**20,
             "gflop_per_step": cost["flops"] * len(batches[0].microbatches) / 1e9,
             "gflop_per_s": cost["flops"] * len(batches[0].microbatches) / 1e9 / step_s,
-            "bf16_ops": compiled.as_text().count("bf16[")}
+            "bf16_ops": compiled.as_text().count("bf16["),
+            "model_gflop_per_token": model_gflop_per_token(task.dims, params, sum(prompt_answer))}
 
 
 def sampler_row(config, task, params, repeats: int, prompt_len: int) -> dict:
@@ -120,6 +141,22 @@ def sampler_row(config, task, params, repeats: int, prompt_len: int) -> dict:
             "sampler_first_call_s": first, "sampler_rows": rows}
 
 
+def _random_task(model_config: str, dtype: str):
+    """A task-like holder of a config.json's dims (dtype `dtype`) and default sampler settings."""
+    from types import SimpleNamespace
+
+    from headrace.model.sampler import SamplerSettings
+    from headrace.parallel.plan import read_dims
+
+    return SimpleNamespace(dims=read_dims(model_config, dtype), sampler_settings=SamplerSettings())
+
+
+def _mfu(row: dict, peak_tflops: float) -> dict:
+    model = row["tokens_per_s"] * row["model_gflop_per_token"] / 1e3
+    return {"model_tflop_per_s": model, "mfu": model / peak_tflops,
+            "hfu": row["gflop_per_s"] / 1e3 / peak_tflops}
+
+
 def run(args, sets: list[str]) -> dict:
     from headrace.config import load
     from headrace.model import params as params_lib
@@ -130,19 +167,29 @@ def run(args, sets: list[str]) -> dict:
     for dtype in args.dtypes:
         for remat in args.remats:
             config = load(args.config, sets + [f"model.dtype={dtype}", f"model.remat={remat}"])
-            task = build.build_task(config)
-            if dtype not in params_by_dtype:  # the checkpoint is read once per dtype
-                params_by_dtype[dtype] = build.init_params(config, task)[1]
+            if args.model_config:  # random weights of that architecture
+                task = _random_task(args.model_config, dtype)
+                if dtype not in params_by_dtype:
+                    params_by_dtype[dtype] = params_lib.init(task.dims, config.run.seed)[1]
+            else:
+                task = build.build_task(config)
+                if dtype not in params_by_dtype:  # the checkpoint is read once per dtype
+                    params_by_dtype[dtype] = build.init_params(config, task)[1]
+            if remat == args.remats[0]:
                 sampler = sampler_row(config, task, params_by_dtype[dtype], args.steps,
                                       args.prompt_len)
             else:
                 sampler = {}
             row = {**learner_row(config, task, params_by_dtype[dtype], args.steps, prompt_answer),
                    **sampler}
+            if args.peak_tflops:
+                row.update(_mfu(row, args.peak_tflops))
             rows[f"{dtype}/{remat}"] = row
             print(f"bench learner: {dtype} remat {remat}: step {row['step_s']:.2f} s, "
-                  f"{row['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
-    return {"config": str(args.config), "model": config.model.init_from,
+                  f"{row['tokens_per_s']:.0f} tokens/s {json.dumps(row)}", file=sys.stderr,
+                  flush=True)
+    return {"config": str(args.config),
+            "model": args.model_config or config.model.init_from,
             "params": params_lib.count(params_by_dtype[args.dtypes[0]]),
             "prompt_len": args.prompt_len, "answer_len": args.answer_len,
             "groups_per_step": config.learner.groups_per_batch,
@@ -159,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer-len", type=int, default=24)
     parser.add_argument("--steps", type=int, default=3, help="timed steps (and sampler calls)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--model-config", default="", metavar="CONFIG.json",
+                        help="random weights of this Hugging Face architecture")
+    parser.add_argument("--peak-tflops", type=float, default=0.0,
+                        help="the accelerator's peak (e.g. 989 for an H100/H200 in bf16): adds mfu")
     args = parser.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     args.remats = [r for r in args.remats.split(",") if r]
@@ -166,9 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         args.steps = min(args.steps, 2)
     if args.steps < 1 or args.prompt_len < 1 or args.answer_len < 1:
         parser.error("--steps, --prompt-len and --answer-len must be >= 1")
+    if args.peak_tflops < 0:
+        parser.error("--peak-tflops must be > 0")
     with tempfile.TemporaryDirectory(prefix="bench-learner-") as folder:
         sets = list(args.set)
-        if args.quick:
+        if args.quick and not args.model_config:
             sets.append(f"model.init_from=hf:{real.tiny_llama(pathlib.Path(folder))}")
         result = run(args, sets)
     return benchlib.finish(result, [], as_json=args.json, title="headrace bench learner")

@@ -1,6 +1,6 @@
 """`headrace bench real`: a real LLM learns a real task on this machine.
 
-    headrace bench real [--quick] [--json] [--budget-s 1800] [--out DIR] [--set KEY=VALUE ...]
+    headrace bench real [--quick] [--json] [--budget-s 5400] [--out DIR] [--set KEY=VALUE ...]
 
 Runs `examples/smollm2_reasoning.yaml` (SmolLM2-135M-Instruct from its package, a reasoning-gym
 task, GRPO on the async multi-process runtime):
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0],
                                      parents=[benchlib.bench_parser()])
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="training seconds (run.max_wall_s); default 1800, 400 with --quick "
+                        help="training seconds (run.max_wall_s); default 5400, 400 with --quick "
                              "(a safety cap there: the quick run stops at its steps)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override on top of the example's (repeatable), as "
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep the run folder, the PNG and result.json here")
     args = parser.parse_args(argv)
     if args.budget_s is None:
-        args.budget_s = 400.0 if args.quick else 1800.0
+        args.budget_s = 400.0 if args.quick else 5400.0
     if args.budget_s <= 0:
         parser.error("--budget-s must be > 0")
     logging.getLogger().setLevel(logging.WARNING)

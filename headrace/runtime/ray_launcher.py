@@ -43,6 +43,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from headrace import xla_flags
 from headrace.config import Config
 from headrace.runtime import build, processes, ray_buffer, worker
 
@@ -66,6 +67,7 @@ class Host:
                             format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s")
         self.name = name
         self.stop_event = threading.Event()
+        xla_flags.use_cpu_memory_scheduler()  # a Ray worker has not run the command line
 
     def node(self) -> str:
         """The Ray node id this host runs on."""
