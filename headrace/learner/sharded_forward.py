@@ -179,7 +179,10 @@ class ShardedForward:
         def chunk(x, targets):
             return of(unembed(self.dims, head, x), targets, temperature, allowed_v)
 
-        return logprobs.chunked(chunk, x_btd[:, :-1], mb["tokens"][:, 1:], self.chunk)
+        # Chunks without a loss token are skipped, except where the chunk's function holds
+        # collectives over `tensor` (a vocabulary split), kept out of a conditional.
+        on = None if self.layout.vocab else mb["weight"][:, 1:] > 0
+        return logprobs.chunked(chunk, x_btd[:, :-1], mb["tokens"][:, 1:], self.chunk, on)
 
 
 def vocab_logprobs(logits_btv, targets_bt, temperature: float, allowed_v):

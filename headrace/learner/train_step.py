@@ -151,7 +151,8 @@ def _logprobs(graphdef, params, mb, temperature, allowed_v, layout: Layout = LOC
         return losses.token_logprobs(unembed(dims, head, x), targets, temperature, allowed_v)
 
     return logprobs.chunked(chunk, x_btd[:, :-1], mb["tokens"][:, 1:],
-                            logprobs.chunk_tokens(dims.vocab_size, logits_mib))
+                            logprobs.chunk_tokens(dims.vocab_size, logits_mib),
+                            on_bt=mb["weight"][:, 1:] > 0)  # only loss tokens count
 
 
 def _is_sums(logp, behaviour, weight) -> dict[str, jax.Array]:
