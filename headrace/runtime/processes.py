@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 # How long a stopping child may take to finish its step (a compile of a new shape included) and
 # its final checkpoint before it is killed: a kill is for a hang, and costs the final checkpoint.
+# At least this; longer when the learner's steps are (`stop_grace_s`).
 GRACE_S = 120.0
 HEALTHY_S = 120.0  # an actor that ran this long before crashing starts a fresh restart count
 
@@ -87,6 +88,7 @@ class Supervisor:
         self.failure: str | None = None
         self.restarts = 0
         self.stopping = False
+        self.grace_s = GRACE_S  # `stop_grace_s` of the run's metrics, kept current by `train`
 
     def _start(self, child: Child) -> None:
         worker.failure_path(self.run_dir, child.name).unlink(missing_ok=True)  # an older one's
@@ -158,13 +160,23 @@ class Supervisor:
         for process in children:
             if process.is_alive():
                 process.terminate()  # SIGTERM: the child sets its stop event and finishes
-        deadline = time.monotonic() + GRACE_S
+        if self.grace_s > GRACE_S and any(p.is_alive() for p in children):
+            log.warning("stopping: waiting up to %.0f s for the learner to finish its step",
+                        self.grace_s)
+        deadline = time.monotonic() + self.grace_s
         for process in children:
             process.join(timeout=max(0.0, deadline - time.monotonic()))
             if process.is_alive():
-                log.warning("%s did not stop in %.0f s; killing it", process.name, GRACE_S)
+                log.warning("%s did not stop in %.0f s; killing it", process.name, self.grace_s)
                 process.kill()
                 process.join(timeout=5)
+
+
+def stop_grace_s(metrics: dict[str, float]) -> float:
+    """The grace a stop gives the children: GRACE_S, or twice the learner's p90 step time when
+    that is longer, so a learner in the middle of a long step (a 135M model on a CPU: 40-175 s)
+    finishes it, publishes and checkpoints instead of being killed with the step lost."""
+    return max(GRACE_S, 2.0 * float(metrics.get("learner/step_s_p90", 0.0)))
 
 
 def train(config: Config, *, live: bool = True, t0: float | None = None,
@@ -267,6 +279,7 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
             merged = retried("reading metrics", lambda: read_metrics(client, run_id))
             merged.update(metrics.snapshot())
             merged["actor/restarts"] = supervisor.restarts
+            supervisor.grace_s = stop_grace_s(merged)
             return merged
 
         evaluator = supervise.Evaluator(config, task, graphdef, weights, metrics, t0,

@@ -137,6 +137,7 @@ class RaySupervisor:
         self.failure: str | None = None
         self.restarts = 0
         self.stopping = False
+        self.grace_s = processes.GRACE_S  # kept current by `processes.train`
         self._finished = False
         self.group = None
         self.learners: list[Member] = []
@@ -296,7 +297,7 @@ class RaySupervisor:
                 pass
         refs = [m.ref for m in members if m.ref is not None]
         if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=processes.GRACE_S)
+            ray.wait(refs, num_returns=len(refs), timeout=self.grace_s)
         for member in members:
             ray.kill(member.handle, no_restart=True)
         if self.group is not None:
