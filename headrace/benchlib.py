@@ -206,6 +206,16 @@ def token_groups(count: int, vocab: int, seed: int, *, size: int = 4, max_len: i
     return groups
 
 
+def median_seconds(call, repeats: int) -> float:
+    """The median wall time of `repeats` calls of `call()`."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
 def tail_quantiles(samples: Sequence[float]) -> tuple[float, float, float]:
     """(p50, p99, p99.9) of `samples`; NaN each without samples."""
     if not samples:

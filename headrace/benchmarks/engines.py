@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
-import statistics
 import tempfile
 import time
 
@@ -49,15 +48,6 @@ def _model(spec: str, quick: bool):
     return loaded.dims, loaded.params
 
 
-def _timed(call, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _jax_rows(dims, params, prompts, new_tokens: int, repeats: int) -> dict:
     from headrace.model import params as params_lib
     from headrace.model.sampler import Sampler, SamplerSettings
@@ -73,7 +63,7 @@ def _jax_rows(dims, params, prompts, new_tokens: int, repeats: int) -> dict:
             start = time.perf_counter()
             sampler.generate(rows)  # compiles this shape
             compile_s = time.perf_counter() - start
-            seconds = _timed(lambda rows=rows, s=sampler: s.generate(rows), repeats)
+            seconds = benchlib.median_seconds(lambda rows=rows, s=sampler: s.generate(rows), repeats)
             row = out.setdefault(str(batch), {})
             if new == 1:
                 row["ttft_s"] = seconds
@@ -117,11 +107,11 @@ def _vllm_rows(dims, params, prompts, new_tokens: int, repeats: int, workdir: pa
         rows_out = out.setdefault("batches", {})
         for batch, rows in prompts.items():
             engine.generate(rows)  # the first call of a shape warms the server's kernels
-            seconds = _timed(lambda rows=rows: engine.generate(rows), repeats)
+            seconds = benchlib.median_seconds(lambda rows=rows: engine.generate(rows), repeats)
             first = dataclasses.replace(engine.settings, max_new_tokens=1)
             full, engine.settings = engine.settings, first
             try:
-                ttft = _timed(lambda rows=rows: engine.generate(rows), repeats)
+                ttft = benchlib.median_seconds(lambda rows=rows: engine.generate(rows), repeats)
             finally:
                 engine.settings = full
             rows_out[str(batch)] = {"tokens_per_s": batch * new_tokens / seconds,

@@ -57,15 +57,6 @@ from headrace.benchmarks import real
 EXAMPLE = benchlib.EXAMPLES / "smollm2_reasoning.yaml"
 
 
-def _median_call(call, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def model_gflop_per_token(dims, params, episode_len: int) -> float:
     """Training FLOPs of one token (6N + 12 L H e T; see the module docstring), in GFLOP."""
     from headrace.model import params as params_lib
@@ -134,7 +125,7 @@ def sampler_row(config, task, params, repeats: int, prompt_len: int) -> dict:
         start = time.perf_counter()
         sampler.generate(prompts)  # compiles this shape
         first = time.perf_counter() - start
-        seconds = _median_call(lambda: sampler.generate(prompts), repeats)
+        seconds = benchlib.median_seconds(lambda: sampler.generate(prompts), repeats)
     finally:
         sampler.close()
     return {"sampler_tokens_per_s": rows * new / seconds, "sampler_call_s": seconds,
