@@ -22,7 +22,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 LAYERS: tuple[tuple[str, ...], ...] = (
     # axes: mesh axis names that `model` may import; versions: the trained-at forecast;
     # rundir: a run folder's file names
-    ("types", "configtree", "config_learner", "config", "shapes", "axes", "versions", "rundir"),
+    ("types", "configtree", "config_learner", "config", "shapes", "axes", "versions", "rundir",
+     "xla_flags"),  # xla_flags: set before JAX starts, by the command line and Ray workers
     ("formats",),  # checkpoint files (HF folders, GGUF) read as dicts and arrays
     ("text", "env", "model", "parallel", "metrics", "sim"),
     ("buffer", "weights", "engines"),  # engines: inference servers the actor samples from
@@ -34,7 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 NEVER = {("actor", "learner"), ("learner", "actor")}
 NO_JAX = ("types", "configtree", "config_learner", "config", "shapes", "axes", "versions", "rundir",
-          "formats", "text", "env", "sim", "engines")
+          "xla_flags", "formats", "text", "env", "sim", "engines")
 JAX_ROOTS = ("jax", "jaxlib", "flax", "optax", "orbax")
 
 
