@@ -139,8 +139,9 @@ def _logprobs(graphdef, params, mb, temperature, allowed_v, layout: Layout = LOC
               frozen=None, lora_scale: float = 1.0, logits_mib: int = 0):
     """(log-prob, entropy) [b, t-1] of each next token; `graphdef` (or the model's `ModelDims`)
     says the model, `layout` whether its blocks are rematerialised, `logits_mib` the logits' MiB
-    at a time (`headrace.model.logprobs`). With `frozen` (LoRA: the fixed base weights)
-    `params` are the adapters, applied on the fly with `lora_scale`."""
+    at a time (`headrace.model.logprobs`; with the microbatch's `weight`, chunks without a loss
+    token are skipped and their positions' results are 0). With `frozen` (LoRA: the fixed base
+    weights) `params` are the adapters, applied on the fly with `lora_scale`."""
     base = params if frozen is None else frozen
     dims = graphdef if isinstance(graphdef, ModelDims) else params_lib.merge(graphdef, base).dims
     x_btd, head, _ = hidden(dims, base, mb["tokens"], mb["positions"],
@@ -150,9 +151,9 @@ def _logprobs(graphdef, params, mb, temperature, allowed_v, layout: Layout = LOC
     def chunk(x, targets):
         return losses.token_logprobs(unembed(dims, head, x), targets, temperature, allowed_v)
 
+    on = mb["weight"][:, 1:] > 0 if "weight" in mb else None  # only loss tokens count
     return logprobs.chunked(chunk, x_btd[:, :-1], mb["tokens"][:, 1:],
-                            logprobs.chunk_tokens(dims.vocab_size, logits_mib),
-                            on_bt=mb["weight"][:, 1:] > 0)  # only loss tokens count
+                            logprobs.chunk_tokens(dims.vocab_size, logits_mib), on_bt=on)
 
 
 def _is_sums(logp, behaviour, weight) -> dict[str, jax.Array]:
