@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.prompt_len < 1 or args.answer_len < 1:
         parser.error("--steps, --prompt-len and --answer-len must be >= 1")
     if args.peak_tflops < 0:
-        parser.error("--peak-tflops must be > 0")
+        parser.error("--peak-tflops must be >= 0 (0: no mfu)")
     with tempfile.TemporaryDirectory(prefix="bench-learner-") as folder:
         sets = list(args.set)
         if args.quick and not args.model_config:

@@ -181,7 +181,7 @@ class ShardedForward:
 
         # Chunks without a loss token are skipped, except where the chunk's function holds
         # collectives over `tensor` (a vocabulary split), kept out of a conditional.
-        on = None if self.layout.vocab or "weight" not in mb else mb["weight"][:, 1:] > 0
+        on = None if self.layout.vocab else logprobs.loss_positions(mb)
         return logprobs.chunked(chunk, x_btd[:, :-1], mb["tokens"][:, 1:], self.chunk, on)
 
 

@@ -151,9 +151,9 @@ def _logprobs(graphdef, params, mb, temperature, allowed_v, layout: Layout = LOC
     def chunk(x, targets):
         return losses.token_logprobs(unembed(dims, head, x), targets, temperature, allowed_v)
 
-    on = mb["weight"][:, 1:] > 0 if "weight" in mb else None  # only loss tokens count
     return logprobs.chunked(chunk, x_btd[:, :-1], mb["tokens"][:, 1:],
-                            logprobs.chunk_tokens(dims.vocab_size, logits_mib), on_bt=on)
+                            logprobs.chunk_tokens(dims.vocab_size, logits_mib),
+                            logprobs.loss_positions(mb))
 
 
 def _is_sums(logp, behaviour, weight) -> dict[str, jax.Array]:

@@ -31,6 +31,12 @@ def chunk_tokens(vocab: int, logits_mib: int) -> int:
     return max(1, logits_mib * MiB // (4 * vocab)) if logits_mib else 0
 
 
+def loss_positions(mb: dict) -> jax.Array | None:
+    """bool [b, t-1]: the next-token positions whose results a learner microbatch uses (its
+    `weight` > 0), or None for a microbatch without weights (every result is used)."""
+    return mb["weight"][:, 1:] > 0 if "weight" in mb else None
+
+
 def chunked(fn: Callable, x_btd: jax.Array, targets_bt: jax.Array, chunk: int,
             on_bt: jax.Array | None = None):
     """`fn(x [1, n, d], targets [1, n]) -> (logp [1, n], entropy [1, n])` over all b x t tokens
