@@ -16,7 +16,13 @@ uses a running one and loads the version into it); every later one pauses the se
 it through the worker extension (`/collective_rpc` → `HeadraceWorker.headrace_load`, which reads
 the directory store), and resumes. Nothing restarts, nothing is aborted.
 
-Version stamps: every generated token carries the version that produced it. The worker reports,
+LoRA (`adapter` given): the server starts on the run's base model with LoRA enabled, and every
+version, the first included, is written as a PEFT adapter folder (the `adapter` callable) and
+registered under the name `v<N>` (`/v1/load_lora_adapter`); each request names the newest
+adapter when it is sent and keeps it to its end, so all its tokens carry that version and nothing
+pauses. An adapter no request in flight names any more is unregistered and its folder removed.
+
+Version stamps (full weights): every generated token carries the version that produced it. The worker reports,
 while paused, how many tokens each running request has generated; those tokens are the old
 version's, the rest the new one's. A request the runner does not hold is either finished (its
 tokens are all old: a paused server has flushed them) or not yet scheduled (none generated):
@@ -35,6 +41,7 @@ import dataclasses
 import json
 import logging
 import pathlib
+import shutil
 import threading
 import time
 import uuid
@@ -48,6 +55,10 @@ from headrace.engines.vllm_server import SERVED_NAME, VLLMServer, log_tail
 from headrace.weights.base import VersionGone
 
 log = logging.getLogger(__name__)
+
+
+def _adapter_name(version: int) -> str:
+    return f"v{version}"
 
 
 class PromptTooLongError(ValueError):
@@ -87,7 +98,11 @@ class VLLMEngine:
       settings: sampling and length settings.
       store_root: the directory weight store's folder (the worker extension reads it).
       spec: the model's `ModelDims` fields (they choose the name table).
-      export: (version, out folder) -> writes that version as a Hugging Face folder.
+      export: (version, out folder) -> writes that version as a Hugging Face folder (with
+        `adapter`: the base model, whatever the version).
+      adapter: LoRA: (version, out folder) -> writes that version's adapters as a PEFT folder;
+        None: versions are full weights.
+      lora_rank: the adapters' rank (with `adapter`).
       workdir: where the exported folder and the server's log go.
       server_options: keyword arguments of `VLLMServer` (python, dtype, threads, ...).
       url: a running server to use instead of starting one ("": start one).
@@ -101,15 +116,20 @@ class VLLMEngine:
 
     def __init__(self, settings: VLLMSettings, *, store_root: str | pathlib.Path, spec: dict,
                  export: Callable[[int, pathlib.Path], object], workdir: str | pathlib.Path,
-                 server_options: dict | None = None, url: str = "",
+                 adapter: Callable[[int, pathlib.Path], object] | None = None,
+                 lora_rank: int = 0, server_options: dict | None = None, url: str = "",
                  request_timeout_s: float = 600.0,
                  prompt_too_long: type[Exception] = PromptTooLongError):
         self.settings = settings
         self.store_root = str(store_root)
         self.spec_json = json.dumps(spec)
         self.export = export
+        self.adapter = adapter
         self.workdir = pathlib.Path(workdir)
         self.server_options = dict(server_options or {})
+        if adapter is not None:
+            self.server_options["lora_rank"] = lora_rank
+        self._adapters: set[int] = set()  # LoRA: the versions registered with the server
         self.request_timeout_s = request_timeout_s
         self.prompt_too_long = prompt_too_long
         self.server: VLLMServer | None = None
@@ -164,15 +184,16 @@ class VLLMEngine:
 
     async def _one(self, client: httpx.AsyncClient, context: list[int], greedy: bool) -> _Flight:
         request_id = f"hr{uuid.uuid4().hex}"
-        body = {"model": self.model_name, "prompt": context,
+        with self._lock:  # the version and (LoRA) the adapter it names, read together
+            flight = self._flights[request_id] = _Flight(self.version)
+            model = self.model_name if self.adapter is None else _adapter_name(self.version)
+        body = {"model": model, "prompt": context,
                 "max_tokens": self.settings.max_new_tokens,
                 "temperature": 0.0 if greedy else self.settings.temperature,
                 "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
                 "stream": True,
                 "ignore_eos": True, "stop_token_ids": list(self.settings.stop_ids),
                 "skip_special_tokens": False}
-        with self._lock:
-            flight = self._flights[request_id] = _Flight(self.version)
         try:
             async with client.stream("POST", "/v1/completions", json=body,
                                      headers={"X-Request-Id": request_id}) as response:
@@ -223,7 +244,7 @@ class VLLMEngine:
             self._update(version)
 
     def _start(self, version: int) -> None:
-        folder = self.workdir / f"model-v{version}"
+        folder = self.workdir / ("base" if self.adapter is not None else f"model-v{version}")
         start = time.perf_counter()
         self.export(version, folder)
         options = {"log_path": self.workdir / "vllm.log", **self.server_options}
@@ -233,9 +254,12 @@ class VLLMEngine:
             self.server.stop()
             raise EngineError("the vLLM engine was closed while its server started")
         self.url = self.server.url
-        with self._lock:
-            self.version = version
-        self.last_load = {"version": version, "ready_s": self.server.ready_s,
+        if self.adapter is not None:
+            self._load_adapter(version)
+        else:
+            with self._lock:
+                self.version = version
+        self.last_load = {**self.last_load, "version": version, "ready_s": self.server.ready_s,
                           "load_s": time.perf_counter() - start}
         log.info("vLLM server for weights version %d ready at %s in %.1f s", version, self.url,
                  self.server.ready_s)
@@ -245,6 +269,9 @@ class VLLMEngine:
         return data["data"][0]["id"]
 
     def _update(self, version: int) -> None:
+        if self.adapter is not None:
+            self._load_adapter(version)
+            return
         start = time.perf_counter()
         self._call("POST", "/pause", params={"mode": "keep"})
         paused_s = time.perf_counter() - start
@@ -270,6 +297,26 @@ class VLLMEngine:
         self.last_load = {"version": version, "load_s": result["load_s"],
                           "bytes": result["bytes"], "update_s": time.perf_counter() - start,
                           "paused_s": paused_s, "generated": generated}
+
+    def _load_adapter(self, version: int) -> None:
+        """LoRA: writes `version`'s adapter folder, registers it, and makes it the one new
+        requests name; then unregisters the adapters no request in flight names."""
+        start = time.perf_counter()
+        folder = self.workdir / f"adapter-v{version}"
+        self.adapter(version, folder)  # VersionGone, AdapterError: nothing registered
+        self._call("POST", "/v1/load_lora_adapter",
+                   json={"lora_name": _adapter_name(version), "lora_path": str(folder)})
+        with self._lock:
+            self._adapters.add(version)
+            self.version = version
+            stale = self._adapters - {f.version for f in self._flights.values()} - {version}
+            self._adapters -= stale
+        for old in sorted(stale):
+            self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": _adapter_name(old)})
+            shutil.rmtree(self.workdir / f"adapter-v{old}", ignore_errors=True)
+        self.last_load = {"version": version, "load_s": time.perf_counter() - start,
+                          "bytes": sum(f.stat().st_size for f in folder.iterdir()),
+                          "update_s": time.perf_counter() - start, "adapters": len(self._adapters)}
 
     @staticmethod
     def _generated_before(request_id: str, flight: _Flight, generated: dict[str, int]) -> int:

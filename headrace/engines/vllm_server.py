@@ -34,6 +34,7 @@ DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 WORKER_EXTENSION = "headrace.engines.vllm_worker.HeadraceWorker"
 SERVED_NAME = "headrace"
 STOP_GRACE_S = 10.0
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted --max-lora-rank values
 SETUP_HINT = "run scripts/vllm.sh setup (it builds .venv-vllm), or set actor.vllm.python"
 
 
@@ -60,17 +61,21 @@ class VLLMServer:
       dtype, max_model_len, kv_cache_gib, threads: the server's `--dtype`, `--max-model-len`,
         `VLLM_CPU_KVCACHE_SPACE` and OMP threads (bound to the first `threads` cores).
       log_path: where the server's stdout and stderr go.
+      lora_rank: > 0 serves LoRA adapters of up to this rank, loaded at run time
+        (`/v1/load_lora_adapter`) and chosen per request by name; 0: none.
     """
 
     def __init__(self, model_dir: str | os.PathLike, log_path: str | os.PathLike, *,
                  python: str = "", dtype: str = "float32", max_model_len: int = 2048,
-                 kv_cache_gib: float = 1.0, threads: int = 1, start_timeout_s: float = 300.0):
+                 kv_cache_gib: float = 1.0, threads: int = 1, start_timeout_s: float = 300.0,
+                 lora_rank: int = 0):
         self.python = pathlib.Path(python) if python else DEFAULT_PYTHON
         self.model_dir = pathlib.Path(model_dir)
         self.log_path = pathlib.Path(log_path)
         self.dtype, self.max_model_len = dtype, max_model_len
         self.kv_cache_gib, self.threads = kv_cache_gib, threads
         self.start_timeout_s = start_timeout_s
+        self.lora_rank = lora_rank
         self.port = 0
         self.process: subprocess.Popen | None = None
         self.ready_s = float("nan")
@@ -80,6 +85,19 @@ class VLLMServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
+        return self._base_command() + self._lora_flags()
+
+    def _lora_flags(self) -> list[str]:
+        if not self.lora_rank:
+            return []
+        # vLLM sizes its adapter buffers by --max-lora-rank, which must be one of these
+        rank = next(r for r in LORA_RANKS if r >= self.lora_rank)
+        # two adapters in a batch: requests sent before an update finish with the old version
+        # while new ones start with the new; a few more kept in memory
+        return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2",
+                "--max-cpu-loras", "4"]
+
+    def _base_command(self) -> list[str]:
         return [str(self.python), "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self.model_dir), "--served-model-name", SERVED_NAME,
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
@@ -97,6 +115,7 @@ class VLLMServer:
         env.update(VLLM_CPU_KVCACHE_SPACE=f"{self.kv_cache_gib:g}",
                    VLLM_CPU_OMP_THREADS_BIND=cores, OMP_NUM_THREADS=str(self.threads),
                    VLLM_SERVER_DEV_MODE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
+                   VLLM_ALLOW_RUNTIME_LORA_UPDATING="1" if self.lora_rank else "0",
                    VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
                    # the worker extension imports headrace from this tree
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from headrace.formats import hf
+from headrace.formats import hf, peft
 from headrace.weights.directory import DirWeightStore
 
 
@@ -52,6 +52,23 @@ def export_version(store: DirWeightStore, version: int, spec: dict, out, *,
     """
     config = hf.config_from_spec(spec, family, max_len, extra_config)
     return hf.write(out, config, dict(hf_tensors(store.load(version), spec)), dtype)
+
+
+def export_adapter_version(store: DirWeightStore, version: int, spec: dict, out, *,
+                           expected: dict[str, tuple[int, ...]], rank: int, alpha: float,
+                           targets, base: str, dtype: str = "float32"):
+    """Writes `version` of a LoRA run's store (adapters only) as the PEFT folder `out` that a
+    server started on the base folder `base` loads (`/v1/load_lora_adapter`), after checking
+    its keys and shapes against `expected` (`headrace.model.lora.shapes` of the base).
+
+    Raises:
+      VersionGone, CorruptWeights: the store cannot give `version`.
+      AdapterError: the version holds full weights, or adapters of another rank or targets.
+    """
+    flat = store.load(version)
+    peft.check(flat, expected, f"weights version {version}")
+    return peft.write_adapter(out, spec, flat, rank=rank, alpha=alpha, targets=targets,
+                              base=base, dtype=dtype)
 
 
 class HeadraceWorker:

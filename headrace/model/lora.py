@@ -25,16 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from headrace.formats import peft
+from headrace.formats.peft import AdapterError, check, is_adapters  # noqa: F401 (re-exported)
 from headrace.model import params as params_lib
 
 # headrace target name -> the projection's path inside a layer
 TARGETS = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.o",
            "gate": "mlp.gate", "up": "mlp.up", "down": "mlp.down"}
-A, B = "lora_a", "lora_b"
-
-
-class AdapterError(ValueError):
-    """Weights that are not this model's adapters (wrong keys or shapes)."""
+A, B = peft.LORA_A, peft.LORA_B  # the wire's key suffixes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,27 +87,6 @@ def shapes(base: Any, spec: LoraSpec) -> dict[str, tuple[int, ...]]:
         out[f"layers.{i}.{path}.{A}"] = (d_in, spec.rank)
         out[f"layers.{i}.{path}.{B}"] = (spec.rank, d_out)
     return out
-
-
-def is_adapters(flat: dict[str, Any]) -> bool:
-    """Whether a flat weights mapping holds adapters (its keys end in lora_a / lora_b)."""
-    return bool(flat) and all(k.endswith((A, B)) for k in flat)
-
-
-def check(flat: dict[str, Any], expected: dict[str, tuple[int, ...]], where: str) -> None:
-    """Raises AdapterError unless `flat` holds exactly the `expected` adapter keys and shapes."""
-    if not is_adapters(flat):
-        raise AdapterError(f"{where}: holds full weights, not model.lora adapters (was it "
-                           "published by a run without model.lora?)")
-    missing, extra = sorted(set(expected) - set(flat)), sorted(set(flat) - set(expected))
-    if missing or extra:
-        raise AdapterError(f"{where}: adapter keys differ from model.lora's (missing "
-                           f"{missing[:3]}, unexpected {extra[:3]}); the run's model.lora "
-                           "targets or the model changed")
-    for key, shape in expected.items():
-        if tuple(flat[key].shape) != shape:
-            raise AdapterError(f"{where}: {key} has shape {tuple(flat[key].shape)}, model.lora "
-                               f"expects {shape} (rank {shape[0] if key.endswith(B) else shape[1]})")
 
 
 @functools.partial(jax.jit, static_argnums=(2,))

@@ -173,11 +173,13 @@ def vllm_engine(config: Config, task: Task, index: int, weights: WeightStore | N
     """`actor.engine: vllm` (docs/engines.md): the engine, its server folder RUN_DIR/vllm/actor-i.
 
     Raises:
-      ConfigError: the gateway, LoRA, no directory weight store, or a constrained action
+      ConfigError: the gateway, LoRA with a given server, no directory weight store, or a
+        constrained action
         vocabulary (vLLM would report log-probs of the constrained distribution, which the
         learner does not use).
     """
     from headrace.engines.vllm_engine import VLLMEngine, VLLMSettings
+    from headrace.engines.vllm_server import LORA_RANKS
     from headrace.engines.vllm_worker import export_version
     from headrace.formats import checkpoint_kind
     from headrace.weights.directory import DirWeightStore
@@ -186,10 +188,13 @@ def vllm_engine(config: Config, task: Task, index: int, weights: WeightStore | N
         raise ConfigError("actor.engine=vllm with env.name: gateway: the gateway records one "
                           "weights version per reply and serves top log-probs from the JAX "
                           "sampler; use actor.engine: jax there")
-    if config.model.lora.rank:
-        raise ConfigError("actor.engine=vllm with model.lora: the vLLM worker loads full "
-                          "weights and the versions carry adapters only; use actor.engine: jax "
-                          "(it merges each version's adapters) or leave model.lora out")
+    spec_lora = LoraSpec.of(config.model.lora)
+    if spec_lora is not None and spec_lora.rank > LORA_RANKS[-1]:
+        raise ConfigError(f"model.lora.rank {spec_lora.rank} with actor.engine=vllm: vLLM serves "
+                          f"adapters of rank <= {LORA_RANKS[-1]}; lower the rank")
+    if spec_lora is not None and config.actor.vllm.url:
+        raise ConfigError("actor.vllm.url with model.lora: the engine serves a LoRA run's "
+                          "adapters on the base it exports itself; leave actor.vllm.url empty")
     if not isinstance(weights, DirWeightStore):
         raise ConfigError("actor.engine=vllm reads published versions from a directory weight "
                           f"store; this actor has {type(weights).__name__}: set weights.backend: "
@@ -216,16 +221,48 @@ def vllm_engine(config: Config, task: Task, index: int, weights: WeightStore | N
         export_version(weights, version, spec, out, family=family, dtype=cfg.dtype,
                        max_len=max_model_len, extra_config=extra)
 
+    adapter = None
+    if spec_lora is not None:
+        export, adapter = _vllm_lora(config, task, weights, spec_lora, family, cfg.dtype,
+                                     max_model_len, extra)
     workdir = weights.root.parent / "vllm" / f"actor-{index}"
     return VLLMEngine(
         VLLMSettings(settings.temperature, settings.max_new_tokens, tuple(settings.stop_ids),
                      max_model_len),
-        store_root=weights.root, spec=spec, export=export,
-        workdir=workdir, url=cfg.url, request_timeout_s=cfg.request_timeout_s,
+        store_root=weights.root, spec=spec, export=export, adapter=adapter,
+        lora_rank=config.model.lora.rank, workdir=workdir, url=cfg.url,
+        request_timeout_s=cfg.request_timeout_s,
         server_options=dict(python=cfg.python, dtype=cfg.dtype, max_model_len=max_model_len,
                             kv_cache_gib=cfg.kv_cache_gib, threads=cfg.threads,
                             start_timeout_s=cfg.start_timeout_s),
         prompt_too_long=PromptTooLong)
+
+
+def _vllm_lora(config: Config, task: Task, weights, spec: LoraSpec, family: str, dtype: str,
+               max_len: int, extra: dict):
+    """A LoRA run's (export, adapter) callables for `VLLMEngine`: the server starts on the
+    run's base (`init_params`: `model.init_from` or the seed, as the learner's), and each version's
+    adapters, checked against the base's shapes, are written as a PEFT folder for it."""
+    from headrace.engines.vllm_worker import export_adapter_version
+    from headrace.model import lora
+    from headrace.runtime.export import export_params
+
+    base_dir: list[pathlib.Path] = []
+    expected: dict[str, tuple[int, ...]] = {}
+
+    def export(version: int, out: pathlib.Path) -> None:
+        base = init_params(config, task)[1]
+        expected.update(lora.shapes(base, spec))
+        export_params(task.dims, base, out, family=family, dtype=dtype, max_len=max_len,
+                      extra_config=extra)
+        base_dir.append(out)
+
+    def adapter(version: int, out: pathlib.Path) -> None:
+        export_adapter_version(weights, version, dataclasses.asdict(task.dims), out,
+                               expected=expected, rank=spec.rank, alpha=spec.alpha,
+                               targets=spec.targets, base=str(base_dir[0]), dtype=dtype)
+
+    return export, adapter
 
 
 def make_actor(config: Config, task: Task, name: str, sampler, buffer: Buffer,
@@ -235,7 +272,8 @@ def make_actor(config: Config, task: Task, name: str, sampler, buffer: Buffer,
     any object with the sampler's `generate`, `set_params` and `version`)."""
     return Actor(config, name, task.make_env, task.tokenizer, sampler, buffer, weights, metrics,
                  stop, admission,
-                 loader=weights_loader(config, task) if config.model.lora.rank else None)
+                 loader=weights_loader(config, task)
+                 if config.model.lora.rank and config.actor.engine == "jax" else None)
 
 
 # --- the Redis password (docs/runtime.md, "Security") ----------------------------------------

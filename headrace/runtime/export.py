@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from headrace.config import Config, ConfigError
-from headrace.formats import checkpoint_kind, hf, resolve
+from headrace.formats import checkpoint_kind, hf, peft, resolve
 from headrace.model import lora
 from headrace.model import params as params_lib
 from headrace.model.dims import ModelDims
@@ -62,45 +62,17 @@ def export_params(dims: ModelDims, params: Any, out: str | pathlib.Path, *,
     return hf.write(out, config, tensors, dtype)
 
 
-HF_MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-             "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-             "down": "mlp.down_proj"}
-
-
-def adapter_tensors(dims: ModelDims, adapters: Any) -> dict[str, np.ndarray]:
-    """PEFT's tensors of an adapter tree: {base_model.model.<module>.lora_A.weight: [r, in],
-    .lora_B.weight: [out, r]}, module names from `hf.name_table` (a deliberate device->host copy).
-    """
-    flat = params_lib.flatten(adapters)
-    tensors = {}
-    for name, ours, _ in hf.name_table(vars(dims)):
-        path = ours.removesuffix(".kernel")
-        if f"{path}.{lora.A}" not in flat:
-            continue
-        module = f"base_model.model.{name.removesuffix('.weight')}"
-        tensors[f"{module}.lora_A.weight"] = np.asarray(flat[f"{path}.{lora.A}"]).T
-        tensors[f"{module}.lora_B.weight"] = np.asarray(flat[f"{path}.{lora.B}"]).T
-    return tensors
-
-
 def export_adapter(dims: ModelDims, adapters: Any, spec: lora.LoraSpec,
                    out: str | pathlib.Path, base: str, dtype: str = "float32") -> pathlib.Path:
-    """Writes a PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors) for the base
-    model folder `base` into `out`.
+    """Writes a PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors) of the adapter
+    tree `adapters` for the base model folder `base` into `out` (`formats.peft.write_adapter`;
+    a deliberate device->host copy).
 
     Raises:
       CheckpointError: an unknown dtype.
     """
-    out = pathlib.Path(out)
-    hf.save_tensors(out / "adapter_model.safetensors", adapter_tensors(dims, adapters), dtype)
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
-              "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": 0.0, "bias": "none",
-              "target_modules": sorted(HF_MODULE[t].split(".")[1] for t in spec.targets),
-              "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-              "use_rslora": False, "use_dora": False, "modules_to_save": None,
-              "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out
+    return peft.write_adapter(out, vars(dims), params_lib.flatten(adapters), rank=spec.rank,
+                              alpha=spec.alpha, targets=spec.targets, base=base, dtype=dtype)
 
 
 def _run_and_step(target: pathlib.Path) -> tuple[pathlib.Path, int | None]:

@@ -227,6 +227,57 @@ def test_the_composition_root_builds_the_vllm_engine_lazily_and_refuses_what_it_
         build.actor_sampler(constrained, build.build_task(constrained), None, 0, store)
 
 
+def test_a_lora_run_serves_its_base_and_hands_each_version_over_as_a_peft_adapter(tmp_path):
+    import json
+
+    import jax
+    from safetensors.numpy import load_file
+
+    from headrace.model import lora
+    from headrace.model import params as params_lib
+    from headrace.runtime import build
+    from headrace.runtime.export import export_adapter
+    from headrace.weights.directory import DirWeightStore
+
+    data = {"actor": {"engine": "vllm"}, "weights": {"backend": "dir"},
+            "sampling": {"constrain_to_actions": False, "max_new_tokens": 2},
+            "model": {"max_len": 32, "lora": {"rank": 4, "alpha": 8.0, "targets": ["q", "down"]}},
+            "shapes": {"buckets": [32]}}
+    config = load(data=data)
+    task = build.build_task(config)
+    base = build.init_params(config, task)[1]
+    spec = lora.LoraSpec.of(config.model.lora)
+    tree = jax.tree.map(lambda x: x + 0.5, lora.init(base, spec, 1))  # B away from zero
+    store = DirWeightStore(tmp_path / "weights", fsync=False)
+    store.publish(params_lib.to_host(tree), 0)
+    engine = build.actor_sampler(config, task, None, 0, store)
+    assert engine.adapter is not None and engine.server_options["lora_rank"] == 4
+    engine.export(0, tmp_path / "vllm" / "actor-0" / "base")  # the base, as the server starts
+    served = load_file(str(tmp_path / "vllm" / "actor-0" / "base" / "model.safetensors"))
+    q = served["model.layers.0.self_attn.q_proj.weight"]
+    np.testing.assert_array_equal(q, np.asarray(base["layers"][0]["attn"]["q"]["kernel"]).T)
+    engine.adapter(0, tmp_path / "adapter")
+    reference = export_adapter(task.dims, tree, spec, tmp_path / "reference",
+                               str(tmp_path / "vllm" / "actor-0" / "base"))
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text()) == \
+        json.loads((reference / "adapter_config.json").read_text())
+    ours, theirs = (load_file(str(d / "adapter_model.safetensors"))
+                    for d in (tmp_path / "adapter", reference))
+    assert ours.keys() == theirs.keys() and len(ours) == 2 * 2 * task.dims.n_layers
+    for name in ours:
+        np.testing.assert_array_equal(ours[name], theirs[name])
+    store.publish(params_lib.to_host(base), 1)  # full weights where adapters belong
+    with pytest.raises(lora.AdapterError, match="full weights"):
+        engine.adapter(1, tmp_path / "wrong")
+    # vLLM accepts --max-lora-rank 1, 8, 16, ...: rank 4 is served as 8
+    flags = VLLMServer(tmp_path, tmp_path / "log", lora_rank=4).command()
+    assert flags[flags.index("--max-lora-rank") + 1] == "8" and "--enable-lora" in flags
+    assert "--enable-lora" not in VLLMServer(tmp_path, tmp_path / "log").command()
+    given = load(data={**data, "actor": {"engine": "vllm", "vllm": {"url": "http://x:1"}}})
+    with pytest.raises(ConfigError, match="actor.vllm.url with model.lora"):
+        build.actor_sampler(given, task, None, 0, store)
+
+
 def test_the_setup_command_runs_the_engine_tests_requiring_vllm(tmp_path):
     import os
 

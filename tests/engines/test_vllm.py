@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import os
 import signal
 import time
@@ -30,12 +29,9 @@ from headrace.engines.base import EngineError
 from headrace.engines.vllm_engine import VLLMEngine, VLLMSettings
 from headrace.engines.vllm_worker import export_version
 from headrace.model import params as params_lib
-from headrace.model.dims import ModelDims
 from headrace.weights.directory import DirWeightStore
+from tests.engines.reference import DIMS, LOGP_TOL, MAX_LEN, TEMPERATURE, learner_logprobs
 
-DIMS = ModelDims(vocab_size=512, d_model=128, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=256)
-MAX_LEN = 512
-TEMPERATURE = 0.8
 LONG = 480  # tokens of the requests an update interrupts
 
 # The server's start (a minute or two on 2 shared cores) counts against the first test.
@@ -47,24 +43,6 @@ def version_params(version: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(version)
     flat["unembed.kernel"] = rng.normal(0, 0.5, flat["unembed.kernel"].shape).astype(np.float32)
     return flat
-
-
-@functools.cache
-def _recompute():
-    import jax
-
-    from headrace.learner.train_step import _logprobs
-
-    return jax.jit(lambda params, mb: _logprobs(DIMS, params, mb, TEMPERATURE, None)[0])
-
-
-def learner_logprobs(flat: dict[str, np.ndarray], context, tokens) -> np.ndarray:
-    """The learner's recomputation (`train_step._logprobs`) of `tokens` after `context`."""
-    seq = np.concatenate([np.asarray(context), np.asarray(tokens)]).astype(np.int32)[None]
-    mb = {"tokens": seq, "positions": np.arange(seq.shape[1], dtype=np.int32)[None],
-          "segment_ids": np.ones_like(seq)}
-    logp = _recompute()(params_lib.from_host(flat), mb)
-    return np.asarray(logp[0, len(context) - 1:])  # device -> host (intended)
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +84,7 @@ def test_generates_from_token_ids_with_logprobs_the_learner_recomputes(served):
         ratios.append(np.exp(ours - lp))
     ratio_mean = float(np.mean(np.concatenate(ratios)))
     print(f"lag 0, fp32: is/ratio_mean {ratio_mean:.6f}, max |dlogp| {worst:.2e}")
-    # fp32 logits of a 2-layer model agree to ~1e-5 between torch and XLA kernels; 1e-3 leaves
-    # room for summation order over a 512-word softmax, far below the O(1) of a wrong version.
-    assert worst < 1e-3
+    assert worst < LOGP_TOL
     assert abs(ratio_mean - 1) < 1e-2
 
 
@@ -160,7 +136,7 @@ def test_a_version_loaded_mid_request_pauses_it_and_stamps_each_token(served):
             # identical here, since the versions differ only in the unembedding)
             mixed = np.where(v == before, learner_logprobs(old, context, t),
                              learner_logprobs(new, context, t))
-            np.testing.assert_allclose(mixed, lp, atol=1e-3)
+            np.testing.assert_allclose(mixed, lp, atol=LOGP_TOL)
             if v[0] == before and v[-1] == attempts:  # the update landed inside this request
                 straddled += 1
                 first_new = int(np.argmax(v == attempts))
@@ -171,7 +147,7 @@ def test_a_version_loaded_mid_request_pauses_it_and_stamps_each_token(served):
     later_tokens, later_logps, later = engine.generate([contexts[0]])
     assert (later[0] == engine.version).all()
     np.testing.assert_allclose(learner_logprobs(version_params(engine.version), contexts[0],
-                                                later_tokens[0]), later_logps[0], atol=1e-3)
+                                                later_tokens[0]), later_logps[0], atol=LOGP_TOL)
 
 
 def test_generation_ends_at_a_stop_id_which_it_keeps(served):
@@ -200,7 +176,7 @@ def test_an_engine_given_a_running_server_loads_into_it_and_leaves_it_running(se
     tokens, logps, versions = given.generate([context])
     assert (versions[0] == 0).all()
     np.testing.assert_allclose(learner_logprobs(version_params(0), context, tokens[0]),
-                               logps[0], atol=1e-3)
+                               logps[0], atol=LOGP_TOL)
     given.close()
     assert engine.server.alive()
     engine.load_version(engine.version)  # the module's engine goes on with its version

@@ -1,6 +1,7 @@
 """A whole run through the real command line with `actor.engine: vllm` (skipped without
 .venv-vllm): the actor starts its vLLM server, the learner trains on the server's tokens, and
-the versions it publishes flow into the running server (the actor's tokens carry them)."""
+the versions it publishes flow into the running server (the actor's tokens carry them); with
+`model.lora` the versions are adapters, registered with a server serving the run's base."""
 
 import json
 import subprocess
@@ -25,12 +26,15 @@ RUN = [
 ]
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_run_with_the_vllm_engine_trains_and_its_server_picks_up_versions(vllm_python,
-                                                                           tmp_path):
+                                                                           tmp_path, lora):
     run_dir = tmp_path / "run"
+    extra = ["--set", "model.lora.rank=8"] if lora else []
     result = subprocess.run(
         [sys.executable, "-m", "headrace.cli", "train", "examples/guess_number.yaml", "--json",
-         "--set", f"run.dir={run_dir}", *RUN], capture_output=True, text=True, timeout=1450)
+         "--set", f"run.dir={run_dir}", *RUN, *extra], capture_output=True, text=True,
+        timeout=1450)
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads(result.stdout)
     assert summary["steps"] == 8
@@ -40,7 +44,13 @@ def test_a_run_with_the_vllm_engine_trains_and_its_server_picks_up_versions(vllm
           f"{ {k: v for k, v in records[-1].items() if 'weights' in k or 'is/' in k} }")
     assert seen >= 2, "the server never generated with a version the learner published"
     assert any("weights/pickup_s_p50" in r or "weights/pickup_s" in r for r in records)
-    assert (run_dir / "vllm" / "actor-0" / "vllm.log").is_file()
+    workdir = run_dir / "vllm" / "actor-0"
+    assert (workdir / "vllm.log").is_file()
+    if lora:  # the server ran the base; the versions were adapter folders (their removal once
+        # unused is checked in test_vllm_lora)
+        assert (workdir / "base" / "config.json").is_file()
+        adapters = sorted(workdir.glob("adapter-v*"))
+        assert adapters and all((a / "adapter_config.json").is_file() for a in adapters)
     # the server stopped with the run: no process serves the run's folder any more
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(run_dir / "vllm") not in ps
