@@ -30,8 +30,10 @@ setup() {
       || [ pyproject.toml -nt "$venv/.headrace-installed" ]; then
     # headrace without its dependencies (no JAX here): only the JAX-free modules the worker
     # extension imports, plus the few pure packages they need.
-    "$venv/bin/python" -m pip install --quiet --no-deps -e .
+    # (the pure packages first: installed after headrace, pip would list its JAX dependencies as
+    # missing)
     "$venv/bin/python" -m pip install --quiet numpy msgpack safetensors redis ml_dtypes pyyaml
+    "$venv/bin/python" -m pip install --quiet --no-deps -e .
     touch "$venv/.headrace-installed"
   fi
 }
