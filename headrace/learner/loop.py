@@ -370,6 +370,9 @@ class Learner:
         m.observe_many("staleness/age_s", [now - g.started for g in groups])
         m.count("learner/groups", len(groups))
         m.count("learner/trajectories", sum(len(g.trajectories) for g in groups))
+        # this step's own reward (reward/mean is the actors' mean over their last 4,096 episodes)
+        m.gauge("learner/reward_mean",
+                float(np.mean([t.reward for g in groups for t in g.trajectories])))
         m.count("buffer/redelivered_trained", sum(e.delivery_count > 1 for e in entries))
 
     @property

@@ -87,3 +87,28 @@ def test_cpu_frac_leaves_out_the_cpu_of_steps_that_compiled(model, monkeypatch):
     learner.clock.record(0.5, start + 2.0, 12.0, batch.real_tokens, compiled=False)
     window = learner.metrics.gauges["learner/steps_per_s"] ** -1  # one steady step
     assert learner.metrics.gauges["learner/cpu_frac"] == pytest.approx(0.3 / window, rel=1e-3)
+
+
+@pytest.mark.timeout(120)
+def test_each_step_gauges_the_mean_reward_of_the_episodes_it_trains(model):  # noqa: F811
+    groups = [make_group(i, actions(model)) for i in range(6)]
+    for i, group in enumerate(groups):  # a different reward mean per group
+        for j, trajectory in enumerate(group.trajectories):
+            trajectory.reward = float(i + 3 * j)
+    buffer = MemoryBuffer(capacity=1000, max_pending=64)
+    buffer.put(groups, timeout_s=1)
+    learner = make_learner(model, buffer, max_policy_lag=100, max_steps=3)
+    seen = []
+    record = learner._record_staleness
+
+    def check(entries):
+        record(entries)
+        trained = [t.reward for e in entries for t in e.group.trajectories]
+        seen.append((sum(trained) / len(trained),
+                     learner.metrics.snapshot()["learner/reward_mean"]))
+
+    learner._record_staleness = check
+    run(learner, lambda: learner.done.is_set())
+    assert len(seen) == 3 and len({want for want, _ in seen}) == 3
+    for want, got in seen:
+        assert got == pytest.approx(want)
