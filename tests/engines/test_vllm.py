@@ -16,7 +16,6 @@ distributions differ by O(1) nats per token).
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import os
 import signal
@@ -26,11 +25,17 @@ import numpy as np
 import pytest
 
 from headrace.engines.base import EngineError
-from headrace.engines.vllm_engine import VLLMEngine, VLLMSettings
+from headrace.engines.vllm_engine import VLLMEngine
 from headrace.engines.vllm_worker import export_version
 from headrace.model import params as params_lib
 from headrace.weights.directory import DirWeightStore
-from tests.engines.reference import DIMS, LOGP_TOL, TEMPERATURE, learner_logprobs
+from tests.engines.reference import (
+    DIMS,
+    LOGP_TOL,
+    generate_across_update,
+    learner_logprobs,
+    started_engine,
+)
 
 # The requests an update interrupts are long: a tiny model generates a token in a few ms, and on a
 # loaded machine the pause lands a second or more after it is asked for.
@@ -57,17 +62,9 @@ def served(vllm_python, tmp_path_factory):
     def export(version, out):
         export_version(store, version, dataclasses.asdict(DIMS), out, max_len=MAX_LEN)
 
-    engine = VLLMEngine(VLLMSettings(TEMPERATURE, 48, (), MAX_LEN), store_root=store.root,
-                        spec=dataclasses.asdict(DIMS), export=export, workdir=root / "engine",
-                        server_options=dict(python=vllm_python, max_model_len=MAX_LEN,
-                                            start_timeout_s=600),
-                        request_timeout_s=120)
-    try:
-        engine.load_version(0)
-        print(f"vLLM server ready in {engine.server.ready_s:.1f} s")
+    with started_engine(vllm_python, store, root / "engine", max_len=MAX_LEN, new_tokens=48,
+                        export=export) as engine:
         yield engine, store
-    finally:
-        engine.close()
 
 
 def test_generates_from_token_ids_with_logprobs_the_learner_recomputes(served):
@@ -92,26 +89,10 @@ def test_generates_from_token_ids_with_logprobs_the_learner_recomputes(served):
 
 
 def _generate_and_update(engine, store, contexts, version: int):
-    """Starts `contexts` generating LONG tokens, loads `version` once each request has sent a
-    token, and returns what the call returned."""
+    """Publishes `version` and loads it while `contexts` generate LONG tokens (once each has
+    received one); returns what the generation returned."""
     store.publish(version_params(version), version)
-    full, engine.settings = engine.settings, dataclasses.replace(engine.settings,
-                                                                 max_new_tokens=LONG)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            call = pool.submit(engine.generate, contexts)
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and not call.done():
-                with engine._lock:
-                    counts = [len(f.tokens) for f in engine._flights.values()]
-                if len(counts) == len(contexts) and min(counts) >= 1:
-                    break
-                time.sleep(0.002)
-            assert not call.done(), "generation ended before the update could start"
-            engine.load_version(version)
-            return call.result(timeout=300)
-    finally:
-        engine.settings = full
+    return generate_across_update(engine, contexts, LONG, version, after_first_token=True)[0]
 
 
 def test_a_version_loaded_mid_request_pauses_it_and_stamps_each_token(served):

@@ -13,21 +13,25 @@ folders removed; a version holding full weights instead of adapters is refused.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import time
 
 import jax
 import numpy as np
 import pytest
 
-from headrace.engines.vllm_engine import VLLMEngine, VLLMSettings
 from headrace.engines.vllm_worker import export_adapter_version
 from headrace.model import lora
 from headrace.model import params as params_lib
 from headrace.runtime.export import export_params
 from headrace.weights.directory import DirWeightStore
-from tests.engines.reference import DIMS, LOGP_TOL, MAX_LEN, TEMPERATURE, learner_logprobs
+from tests.engines.reference import (
+    DIMS,
+    LOGP_TOL,
+    MAX_LEN,
+    generate_across_update,
+    learner_logprobs,
+    started_engine,
+)
 
 pytestmark = pytest.mark.timeout(1200)
 SPEC = lora.LoraSpec(8, 16.0, tuple(lora.TARGETS))
@@ -67,18 +71,9 @@ def served(vllm_python, tmp_path_factory):
                                alpha=SPEC.alpha, targets=SPEC.targets,
                                base=str(root / "engine" / "base"))
 
-    engine = VLLMEngine(VLLMSettings(TEMPERATURE, 32, (), MAX_LEN), store_root=store.root,
-                        spec=spec, export=export, adapter=adapter, lora_rank=SPEC.rank,
-                        workdir=root / "engine",
-                        server_options=dict(python=vllm_python, max_model_len=MAX_LEN,
-                                            start_timeout_s=600),
-                        request_timeout_s=120)
-    try:
-        engine.load_version(0)
-        print(f"vLLM server (LoRA) ready in {engine.server.ready_s:.1f} s")
+    with started_engine(vllm_python, store, root / "engine", max_len=MAX_LEN, new_tokens=32,
+                        export=export, adapter=adapter, lora_rank=SPEC.rank) as engine:
         yield engine, store
-    finally:
-        engine.close()
 
 
 def test_lag_zero_logprobs_are_the_merged_weights_ones(served):
@@ -103,32 +98,6 @@ def test_lag_zero_logprobs_are_the_merged_weights_ones(served):
     assert 0 < engine.last_load["bytes"] < full / 4  # adapters only reach the server
 
 
-def _generate_across_update(engine, store, contexts, new: int):
-    """Starts `contexts` generating LONG tokens, publishes and loads `new` once every request is
-    sent, and returns (the call's result, whether the requests outlived the update, the
-    adapter folders present right after it)."""
-    store.publish(adapters(new), new)
-    full, engine.settings = engine.settings, dataclasses.replace(engine.settings,
-                                                                 max_new_tokens=LONG)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            call = pool.submit(engine.generate, contexts)
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and not call.done():
-                with engine._lock:
-                    counts = [len(f.tokens) for f in engine._flights.values()]
-                if len(counts) == len(contexts):  # sent, naming the old adapter
-                    break
-                time.sleep(0.002)
-            assert not call.done(), "generation ended before the update could start"
-            engine.load_version(new)
-            outlived = not call.done()
-            registered = {f.name for f in engine.workdir.glob("adapter-v*")}
-            return call.result(timeout=300), outlived, registered
-    finally:
-        engine.settings = full
-
-
 def test_a_version_published_mid_request_leaves_it_on_its_adapter(served):
     engine, store = served
     rng = np.random.default_rng(2)
@@ -139,8 +108,10 @@ def test_a_version_published_mid_request_leaves_it_on_its_adapter(served):
     for _ in range(4):
         before = engine.version
         new = before + 1
-        (tokens, logps, versions), outlived, registered = _generate_across_update(
-            engine, store, contexts, new)
+        store.publish(adapters(new), new)
+        (tokens, logps, versions), outlived = generate_across_update(
+            engine, contexts, LONG, new, after_first_token=False)
+        registered = {f.name for f in engine.workdir.glob("adapter-v*")}
         assert engine.version == new
         for context, t, lp, v in zip(contexts, tokens, logps, versions):
             assert len(t) == LONG and (v == before).all()  # the sending version's, to the end
