@@ -33,9 +33,8 @@ LORA_RANK, LORA_ALPHA = 16, 32.0
 PROMPT_LEN = 32
 
 
-def _versions(params, dims, lora_spec):
-    """version -> the flat mapping a run publishes (full weights, or adapters), and the adapter
-    shapes the engine checks (None for full weights)."""
+def _versions(params, lora_spec):
+    """version -> the flat mapping a run publishes: full weights, or (`lora_spec`) adapters."""
     import jax
 
     from headrace.model import lora
@@ -49,7 +48,7 @@ def _versions(params, dims, lora_spec):
             changed["final_norm.scale"] = flat["final_norm.scale"] * np.float32(1 + 1e-3 * version)
             return changed
 
-        return full, None
+        return full
 
     def adapters(version: int) -> dict[str, np.ndarray]:  # B away from zero: a trained adapter
         tree = lora.init(params, lora_spec, version)
@@ -57,7 +56,7 @@ def _versions(params, dims, lora_spec):
         return params_lib.to_host(jax.tree.map(
             lambda x: x + 0.01 * jax.random.normal(next(keys), x.shape, x.dtype), tree))
 
-    return adapters, lora.shapes(params, lora_spec)
+    return adapters
 
 
 def run_case(model: str, lora: bool, repeats: int, quick: bool, workdir: pathlib.Path) -> dict:
@@ -65,15 +64,15 @@ def run_case(model: str, lora: bool, repeats: int, quick: bool, workdir: pathlib
     stamp is not the version just published."""
     from headrace.benchmarks.engines import _model
     from headrace.engines.vllm_engine import VLLMEngine, VLLMSettings
-    from headrace.engines.vllm_worker import export_adapter_version, export_version
+    from headrace.engines.vllm_worker import export_version
     from headrace.model import lora as lora_lib
-    from headrace.runtime.export import export_params
+    from headrace.runtime.build import vllm_lora_writers
     from headrace.weights.directory import DirWeightStore
 
     dims, params = _model(model, quick)
     spec = dataclasses.asdict(dims)
     lora_spec = lora_lib.LoraSpec(LORA_RANK, LORA_ALPHA, tuple(lora_lib.TARGETS)) if lora else None
-    version_of, expected = _versions(params, dims, lora_spec)
+    version_of = _versions(params, lora_spec)
     store = DirWeightStore(workdir / "weights", keep=2)
     max_len = PROMPT_LEN + 8
     adapter = None
@@ -81,13 +80,8 @@ def run_case(model: str, lora: bool, repeats: int, quick: bool, workdir: pathlib
         def export(version, out):
             export_version(store, version, spec, out, max_len=max_len)
     else:
-        def export(version, out):
-            export_params(dims, params, out, max_len=max_len)
-
-        def adapter(version, out):
-            export_adapter_version(store, version, spec, out, expected=expected,
-                                   rank=LORA_RANK, alpha=LORA_ALPHA, targets=lora_spec.targets,
-                                   base=str(workdir / "engine" / "base"))
+        export, adapter = vllm_lora_writers(dims, lambda: params, lora_spec, store,
+                                            max_len=max_len)
     engine = VLLMEngine(VLLMSettings(1.0, 1, (), max_len), store_root=store.root, spec=spec,
                         export=export, adapter=adapter, lora_rank=LORA_RANK if lora else 0,
                         workdir=workdir / "engine",

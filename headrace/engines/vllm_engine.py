@@ -22,9 +22,9 @@ registered under the name `v<N>` (`/v1/load_lora_adapter`); each request names t
 adapter when it is sent and keeps it to its end, so all its tokens carry that version and nothing
 pauses. An adapter no request in flight names any more is unregistered and its folder removed.
 
-Version stamps (full weights): every generated token carries the version that produced it. The worker reports,
-while paused, how many tokens each running request has generated; those tokens are the old
-version's, the rest the new one's. A request the runner does not hold is either finished (its
+Version stamps (full weights): every generated token carries the version that produced it. The
+worker reports, while paused, how many tokens each running request has generated; those tokens
+are the old version's, the rest the new one's. A request the runner does not hold is either finished (its
 tokens are all old: a paused server has flushed them) or not yet scheduled (none generated):
 told apart by whether any of its tokens has arrived, which misses only a finished request none
 of whose tokens has reached the client within the pause (documented in docs/engines.md).
@@ -129,7 +129,10 @@ class VLLMEngine:
         self.server_options = dict(server_options or {})
         if adapter is not None:
             self.server_options["lora_rank"] = lora_rank
+        if adapter is not None and lora_rank < 1:
+            raise ValueError("VLLMEngine: an adapter writer needs lora_rank >= 1")
         self._adapters: set[int] = set()  # LoRA: the versions registered with the server
+        self._unconfirmed: set[int] = set()  # LoRA: registrations whose answer never came
         self.request_timeout_s = request_timeout_s
         self.prompt_too_long = prompt_too_long
         self.server: VLLMServer | None = None
@@ -164,7 +167,7 @@ class VLLMEngine:
             raise self.prompt_too_long(
                 f"context of {longest} tokens + {self.settings.max_new_tokens} new does not fit "
                 f"actor.vllm.max_model_len {self.settings.max_model_len}")
-        if not self.url:
+        if self.version < 0:
             raise EngineError("VLLMEngine.generate called before the first load_version")
         flights = asyncio.run(self._generate_all([list(map(int, c)) for c in contexts], greedy))
         return ([np.array(f.tokens, np.int32) for f in flights],
@@ -245,6 +248,8 @@ class VLLMEngine:
 
     def _start(self, version: int) -> None:
         folder = self.workdir / ("base" if self.adapter is not None else f"model-v{version}")
+        for left in self.workdir.glob("adapter-v*"):  # an earlier server's (a restarted actor)
+            shutil.rmtree(left, ignore_errors=True)
         start = time.perf_counter()
         self.export(version, folder)
         options = {"log_path": self.workdir / "vllm.log", **self.server_options}
@@ -299,24 +304,61 @@ class VLLMEngine:
                           "paused_s": paused_s, "generated": generated}
 
     def _load_adapter(self, version: int) -> None:
-        """LoRA: writes `version`'s adapter folder, registers it, and makes it the one new
-        requests name; then unregisters the adapters no request in flight names."""
+        """LoRA: writes `version`'s adapter folder (whole or not at all), registers it (in place:
+        a retry after a registration whose answer was lost succeeds), and makes it the one new
+        requests name; then unregisters the adapters no request in flight names (best effort:
+        the new version is installed whatever that clean-up meets).
+
+        Raises:
+          VersionGone, AdapterError: the store has no such version, or not this run's adapters.
+          EngineError: the server refused or did not answer the registration.
+        """
         start = time.perf_counter()
         folder = self.workdir / f"adapter-v{version}"
-        self.adapter(version, folder)  # VersionGone, AdapterError: nothing registered
-        self._call("POST", "/v1/load_lora_adapter",
-                   json={"lora_name": _adapter_name(version), "lora_path": str(folder)})
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        self.adapter(version, partial)  # VersionGone, AdapterError: nothing registered
+        shutil.rmtree(folder, ignore_errors=True)
+        partial.rename(folder)
+        try:
+            self._call("POST", "/v1/load_lora_adapter", json={
+                "lora_name": _adapter_name(version), "lora_path": str(folder),
+                "load_inplace": True})
+        except EngineError:
+            with self._lock:
+                if version not in self._adapters:  # maybe registered: the next pass unloads it
+                    self._unconfirmed.add(version)
+            raise
         with self._lock:
             self._adapters.add(version)
+            self._unconfirmed.discard(version)
             self.version = version
-            stale = self._adapters - {f.version for f in self._flights.values()} - {version}
-            self._adapters -= stale
+            in_use = {f.version for f in self._flights.values()}
+            stale = (self._adapters | self._unconfirmed) - in_use - {version}
         for old in sorted(stale):
-            self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": _adapter_name(old)})
-            shutil.rmtree(self.workdir / f"adapter-v{old}", ignore_errors=True)
+            self._unload(old)
         self.last_load = {"version": version, "load_s": time.perf_counter() - start,
                           "bytes": sum(f.stat().st_size for f in folder.iterdir()),
                           "update_s": time.perf_counter() - start, "adapters": len(self._adapters)}
+
+    def _unload(self, version: int) -> None:
+        """Unregisters adapter `version` and removes its folder; a failure is logged and the
+        adapter kept for the next update's clean-up (an unknown name counts as done)."""
+        try:
+            response = self._call("POST", "/v1/unload_lora_adapter",
+                                  json={"lora_name": _adapter_name(version)}, check=False)
+        except EngineError as error:
+            log.warning("unloading LoRA adapter v%d failed (retried at the next update): %s",
+                        version, str(error).splitlines()[0])
+            return
+        if response.status_code not in (200, 404):
+            log.warning("unloading LoRA adapter v%d answered %d (retried at the next update): %s",
+                        version, response.status_code, response.text[:200])
+            return
+        with self._lock:
+            self._adapters.discard(version)
+            self._unconfirmed.discard(version)
+        shutil.rmtree(self.workdir / f"adapter-v{version}", ignore_errors=True)
 
     @staticmethod
     def _generated_before(request_id: str, flight: _Flight, generated: dict[str, int]) -> int:

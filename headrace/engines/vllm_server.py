@@ -91,6 +91,9 @@ class VLLMServer:
         if not self.lora_rank:
             return []
         # vLLM sizes its adapter buffers by --max-lora-rank, which must be one of these
+        if self.lora_rank > LORA_RANKS[-1]:
+            raise ValueError(f"LoRA rank {self.lora_rank}: vLLM serves ranks up to "
+                             f"{LORA_RANKS[-1]}")
         rank = next(r for r in LORA_RANKS if r >= self.lora_rank)
         # two adapters in a batch: requests sent before an update finish with the old version
         # while new ones start with the new; a few more kept in memory

@@ -173,8 +173,8 @@ def vllm_engine(config: Config, task: Task, index: int, weights: WeightStore | N
     """`actor.engine: vllm` (docs/engines.md): the engine, its server folder RUN_DIR/vllm/actor-i.
 
     Raises:
-      ConfigError: the gateway, LoRA with a given server, no directory weight store, or a
-        constrained action
+      ConfigError: the gateway, LoRA with a given server or a rank above 512, no directory
+        weight store, or a constrained action
         vocabulary (vLLM would report log-probs of the constrained distribution, which the
         learner does not use).
     """
@@ -223,8 +223,10 @@ def vllm_engine(config: Config, task: Task, index: int, weights: WeightStore | N
 
     adapter = None
     if spec_lora is not None:
-        export, adapter = _vllm_lora(config, task, weights, spec_lora, family, cfg.dtype,
-                                     max_model_len, extra)
+        # the base as the learner's: model.init_from or the seed
+        export, adapter = vllm_lora_writers(task.dims, lambda: init_params(config, task)[1],
+                                            spec_lora, weights, family=family, dtype=cfg.dtype,
+                                            max_len=max_model_len, extra=extra)
     workdir = weights.root.parent / "vllm" / f"actor-{index}"
     return VLLMEngine(
         VLLMSettings(settings.temperature, settings.max_new_tokens, tuple(settings.stop_ids),
@@ -238,11 +240,13 @@ def vllm_engine(config: Config, task: Task, index: int, weights: WeightStore | N
         prompt_too_long=PromptTooLong)
 
 
-def _vllm_lora(config: Config, task: Task, weights, spec: LoraSpec, family: str, dtype: str,
-               max_len: int, extra: dict):
-    """A LoRA run's (export, adapter) callables for `VLLMEngine`: the server starts on the
-    run's base (`init_params`: `model.init_from` or the seed, as the learner's), and each version's
-    adapters, checked against the base's shapes, are written as a PEFT folder for it."""
+def vllm_lora_writers(dims: ModelDims, base: Callable[[], Any], spec: LoraSpec, store, *,
+                      family: str = "llama", dtype: str = "float32", max_len: int = 0,
+                      extra: dict | None = None):
+    """The (export, adapter) callables of a LoRA run's `VLLMEngine`: `export` writes the base
+    (`base()`, built then) as the Hugging Face folder the server starts on; `adapter` writes a
+    version's adapters from the directory store `store`, checked against the base's shapes, as a
+    PEFT folder for that base."""
     from headrace.engines.vllm_worker import export_adapter_version
     from headrace.model import lora
     from headrace.runtime.export import export_params
@@ -251,16 +255,16 @@ def _vllm_lora(config: Config, task: Task, weights, spec: LoraSpec, family: str,
     expected: dict[str, tuple[int, ...]] = {}
 
     def export(version: int, out: pathlib.Path) -> None:
-        base = init_params(config, task)[1]
-        expected.update(lora.shapes(base, spec))
-        export_params(task.dims, base, out, family=family, dtype=dtype, max_len=max_len,
+        params = base()
+        expected.update(lora.shapes(params, spec))
+        export_params(dims, params, out, family=family, dtype=dtype, max_len=max_len,
                       extra_config=extra)
         base_dir.append(out)
 
     def adapter(version: int, out: pathlib.Path) -> None:
-        export_adapter_version(weights, version, dataclasses.asdict(task.dims), out,
-                               expected=expected, rank=spec.rank, alpha=spec.alpha,
-                               targets=spec.targets, base=str(base_dir[0]), dtype=dtype)
+        export_adapter_version(store, version, dataclasses.asdict(dims), out, expected=expected,
+                               rank=spec.rank, alpha=spec.alpha, targets=spec.targets,
+                               base=str(base_dir[-1]), dtype=dtype)
 
     return export, adapter
 

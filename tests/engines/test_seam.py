@@ -276,6 +276,86 @@ def test_a_lora_run_serves_its_base_and_hands_each_version_over_as_a_peft_adapte
     given = load(data={**data, "actor": {"engine": "vllm", "vllm": {"url": "http://x:1"}}})
     with pytest.raises(ConfigError, match="actor.vllm.url with model.lora"):
         build.actor_sampler(given, task, None, 0, store)
+    wide = load(data={**data, "model": {**data["model"], "lora": {"rank": 1024}}})
+    with pytest.raises(ConfigError, match="ranks? <= 512"):
+        build.actor_sampler(wide, task, None, 0, store)
+
+
+class FakeLoraServer:
+    """Stands in for `VLLMEngine._call` against a LoRA server: records the adapter calls and
+    answers as vLLM does (404 for an unknown name), or fails the ones it is told to."""
+
+    def __init__(self):
+        self.registered: set[str] = set()
+        self.calls: list[tuple[str, dict]] = []
+        self.fail: set[tuple[str, str]] = set()  # (path, adapter name): answer 500 / raise
+
+    def __call__(self, method, path, *, check=True, **kwargs):
+        import httpx
+
+        body = kwargs.get("json") or {}
+        self.calls.append((path, body))
+        name = body.get("lora_name")
+        if (path, name) in self.fail:
+            if check:
+                raise EngineError(f"{path} timed out")
+            return httpx.Response(500, text="boom")
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "headrace"}]})
+        if path == "/v1/load_lora_adapter":
+            assert body["load_inplace"] is True  # a retry of a lost answer must not fail
+            self.registered.add(name)
+        elif path == "/v1/unload_lora_adapter":
+            if name not in self.registered:
+                return httpx.Response(404, text="not found")
+            self.registered.discard(name)
+        return httpx.Response(200, text="ok")
+
+
+def test_lora_adapters_are_kept_while_named_and_cleaned_up_through_failures(tmp_path):
+    def write(version, out):
+        out.mkdir(parents=True)
+        (out / "adapter_model.safetensors").write_bytes(b"x" * (version + 1))
+
+    engine = VLLMEngine(VLLMSettings(1.0, 4, (), 64), store_root="/nonexistent", spec={},
+                        export=None, adapter=write, lora_rank=8, workdir=tmp_path,
+                        url="http://x")
+    server = engine._call = FakeLoraServer()
+    folders = lambda: {f.name for f in tmp_path.iterdir()}  # noqa: E731
+
+    with pytest.raises(EngineError, match="before the first load_version"):
+        engine.generate([[1, 2]])
+    engine.load_version(0)
+    engine._flights["a"] = _Flight(0)  # a request sent with v0, still generating
+    engine.load_version(1)
+    assert server.registered == {"v0", "v1"} and folders() == {"adapter-v0", "adapter-v1"}
+    del engine._flights["a"]
+    server.fail.add(("/v1/unload_lora_adapter", "v0"))
+    engine.load_version(2)  # v0's unload fails: logged, kept for later; v2 installed anyway
+    assert engine.version == 2 and engine._adapters == {0, 2}
+    assert folders() == {"adapter-v0", "adapter-v2"}
+    server.fail.clear()
+    engine.load_version(3)
+    assert server.registered == {"v3"} and folders() == {"adapter-v3"}
+    # a registration whose answer is lost: not installed; a retry registers it in place
+    server.fail.add(("/v1/load_lora_adapter", "v4"))
+    with pytest.raises(EngineError, match="timed out"):
+        engine.load_version(4)
+    assert engine.version == 3 and engine._unconfirmed == {4}
+    server.fail.clear()
+    engine.load_version(4)
+    assert engine.version == 4 and not engine._unconfirmed and server.registered == {"v4"}
+    # one that is never retried is unloaded by the next update's clean-up (404: done)
+    server.fail.add(("/v1/load_lora_adapter", "v5"))
+    with pytest.raises(EngineError):
+        engine.load_version(5)
+    server.fail.clear()
+    engine.load_version(6)
+    assert ("/v1/unload_lora_adapter", {"lora_name": "v5"}) in server.calls
+    assert engine._adapters == {6} and not engine._unconfirmed and folders() == {"adapter-v6"}
+    with pytest.raises(ValueError, match="lora_rank"):
+        VLLMEngine(VLLMSettings(1.0, 4, (), 64), store_root="/x", spec={}, export=None,
+                   adapter=write, workdir=tmp_path)
 
 
 def test_the_setup_command_runs_the_engine_tests_requiring_vllm(tmp_path):

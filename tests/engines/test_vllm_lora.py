@@ -13,16 +13,13 @@ folders removed; a version holding full weights instead of adapters is refused.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
 
-from headrace.engines.vllm_worker import export_adapter_version
 from headrace.model import lora
 from headrace.model import params as params_lib
-from headrace.runtime.export import export_params
+from headrace.runtime.build import vllm_lora_writers
 from headrace.weights.directory import DirWeightStore
 from tests.engines.reference import (
     DIMS,
@@ -60,16 +57,7 @@ def served(vllm_python, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_lora")
     store = DirWeightStore(root / "weights", keep=8, fsync=False)
     store.publish(adapters(0), 0)
-    spec = dataclasses.asdict(DIMS)
-    expected = lora.shapes(base_params(), SPEC)
-
-    def export(version, out):  # the base, whatever the version
-        export_params(DIMS, base_params(), out, max_len=MAX_LEN)
-
-    def adapter(version, out):  # as runtime.build's LoRA engine writes it
-        export_adapter_version(store, version, spec, out, expected=expected, rank=SPEC.rank,
-                               alpha=SPEC.alpha, targets=SPEC.targets,
-                               base=str(root / "engine" / "base"))
+    export, adapter = vllm_lora_writers(DIMS, base_params, SPEC, store, max_len=MAX_LEN)
 
     with started_engine(vllm_python, store, root / "engine", max_len=MAX_LEN, new_tokens=32,
                         export=export, adapter=adapter, lora_rank=SPEC.rank) as engine:
@@ -109,16 +97,18 @@ def test_a_version_published_mid_request_leaves_it_on_its_adapter(served):
         before = engine.version
         new = before + 1
         store.publish(adapters(new), new)
-        (tokens, logps, versions), outlived = generate_across_update(
+        (tokens, logps, versions), _ = generate_across_update(
             engine, contexts, LONG, new, after_first_token=False)
-        registered = {f.name for f in engine.workdir.glob("adapter-v*")}
         assert engine.version == new
         for context, t, lp, v in zip(contexts, tokens, logps, versions):
             assert len(t) == LONG and (v == before).all()  # the sending version's, to the end
             np.testing.assert_allclose(learner_logprobs(merged(before), context, t), lp,
                                        atol=LOGP_TOL)
-        if outlived:  # the old adapter was still named by requests: kept registered
-            assert registered == {f"adapter-v{before}", f"adapter-v{new}"}, registered
+        # the folders are those of the registered adapters (no update since the one above)
+        registered = {f.name for f in engine.workdir.glob("adapter-v*")}
+        assert registered == {f"adapter-v{v}" for v in engine._adapters}, registered
+        if before in engine._adapters:  # requests still named it at the update: kept
+            assert engine._adapters == {before, new}
             straddled += 1
             break
     assert straddled, "no update landed while its requests generated in 4 attempts"
