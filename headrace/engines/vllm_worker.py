@@ -50,8 +50,21 @@ def export_version(store: DirWeightStore, version: int, spec: dict, out, *,
       VersionGone, CorruptWeights: the store cannot give `version`.
       CheckpointError: the model cannot be expressed as `family`.
     """
+    return export_flat(store.load(version), spec, out, family=family, dtype=dtype,
+                       max_len=max_len, extra_config=extra_config)
+
+
+def export_flat(flat: dict[str, np.ndarray], spec: dict, out, *, family: str = "llama",
+                dtype: str = "float32", max_len: int = 0, extra_config: dict | None = None):
+    """Writes the flat weights `flat` (headrace names) as a Hugging Face folder `out`, as
+    `export_version` writes a stored version.
+
+    Raises:
+      KeyError: `flat` lacks a parameter of the model `spec`.
+      CheckpointError: the model cannot be expressed as `family`.
+    """
     config = hf.config_from_spec(spec, family, max_len, extra_config)
-    return hf.write(out, config, dict(hf_tensors(store.load(version), spec)), dtype)
+    return hf.write(out, config, dict(hf_tensors(flat, spec)), dtype)
 
 
 def export_adapter_version(store: DirWeightStore, version: int, spec: dict, out, *,

@@ -247,9 +247,8 @@ def vllm_lora_writers(dims: ModelDims, base: Callable[[], Any], spec: LoraSpec, 
     (`base()`, built then) as the Hugging Face folder the server starts on; `adapter` writes a
     version's adapters from the directory store `store`, checked against the base's shapes, as a
     PEFT folder for that base."""
-    from headrace.engines.vllm_worker import export_adapter_version
+    from headrace.engines.vllm_worker import export_adapter_version, export_flat
     from headrace.model import lora
-    from headrace.runtime.export import export_params
 
     base_dir: list[pathlib.Path] = []
     expected: dict[str, tuple[int, ...]] = {}
@@ -257,8 +256,8 @@ def vllm_lora_writers(dims: ModelDims, base: Callable[[], Any], spec: LoraSpec, 
     def export(version: int, out: pathlib.Path) -> None:
         params = base()
         expected.update(lora.shapes(params, spec))
-        export_params(dims, params, out, family=family, dtype=dtype, max_len=max_len,
-                      extra_config=extra)
+        export_flat(params_lib.to_host(params), dataclasses.asdict(dims), out, family=family,
+                    dtype=dtype, max_len=max_len, extra_config=extra)
         base_dir.append(out)
 
     def adapter(version: int, out: pathlib.Path) -> None:
