@@ -428,30 +428,6 @@ def check_quick(name: str, case: dict) -> list[str]:
     return failures
 
 
-def _vllm_cases(result: dict, repeats: int, quick: bool) -> list[str]:
-    """The vLLM engine's rows (`weights_vllm`) into `result`; returns what failed."""
-    from headrace.benchmarks import weights_vllm
-    from headrace.benchmarks.engines import SMOLLM2
-    from headrace.engines.vllm_server import DEFAULT_PYTHON, SETUP_HINT
-
-    if not DEFAULT_PYTHON.is_file():
-        return [f"--vllm: no vLLM environment at {DEFAULT_PYTHON}; {SETUP_HINT}"]
-    size = "tiny" if quick else "135M"
-    for lora in (False, True):
-        name = f"vllm_{size}" + ("_lora" if lora else "")
-        with tempfile.TemporaryDirectory(prefix="bench-weights-vllm-") as tmp:
-            result[name] = weights_vllm.run_case(SMOLLM2, lora, repeats, quick,
-                                                 pathlib.Path(tmp))
-        print(f"{name}: publish -> first token p50 "
-              f"{result[name]['publish_to_first_token_s_p50']:.3f} s", file=sys.stderr)
-    full, lora_case = result[f"vllm_{size}"], result[f"vllm_{size}_lora"]
-    lora_case["bytes_vs_full"] = lora_case["loaded_mib"] / full["loaded_mib"]
-    if quick and not lora_case["loaded_mib"] < full["loaded_mib"] / 2:
-        return [f"vllm: the LoRA update loaded {lora_case['loaded_mib']:.2f} MiB, not less than "
-                f"half the full weights' {full['loaded_mib']:.2f} MiB"]
-    return []
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--role"]:  # a child process of this benchmark
@@ -497,7 +473,10 @@ def main(argv: list[str] | None = None) -> int:
                 result[name] = case
                 print(f"{name}: pickup p50 {case['pickup_s_p50']:.3f} s", file=sys.stderr)
     if args.vllm:
-        failures += _vllm_cases(result, args.repeats or (3 if args.quick else 5), args.quick)
+        from headrace.benchmarks import weights_vllm
+
+        failures += weights_vllm.add_cases(result, args.repeats or (3 if args.quick else 5),
+                                           args.quick)
     if args.quick:
         result["checks_passed"] = not failures
     return benchlib.finish(result, failures, as_json=args.json, title="weights: publish -> pickup")

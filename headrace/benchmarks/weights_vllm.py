@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -125,3 +127,25 @@ def run_case(model: str, lora: bool, repeats: int, quick: bool, workdir: pathlib
             "publish_to_first_token_s_p50": p("total_s", 50),
             "publish_to_first_token_s_p90": p("total_s", 90),
             "published_mib": p("published", 50) / mib, "loaded_mib": p("loaded", 50) / mib}
+
+
+def add_cases(result: dict, repeats: int, quick: bool) -> list[str]:
+    """The vLLM engine's rows into `result` (full weights and LoRA); returns what failed."""
+    from headrace.benchmarks.engines import SMOLLM2
+    from headrace.engines.vllm_server import DEFAULT_PYTHON, SETUP_HINT
+
+    if not DEFAULT_PYTHON.is_file():
+        return [f"--vllm: no vLLM environment at {DEFAULT_PYTHON}; {SETUP_HINT}"]
+    size = "tiny" if quick else "135M"
+    for lora in (False, True):
+        name = f"vllm_{size}" + ("_lora" if lora else "")
+        with tempfile.TemporaryDirectory(prefix="bench-weights-vllm-") as tmp:
+            result[name] = run_case(SMOLLM2, lora, repeats, quick, pathlib.Path(tmp))
+        print(f"{name}: publish -> first token p50 "
+              f"{result[name]['publish_to_first_token_s_p50']:.3f} s", file=sys.stderr)
+    full, lora_case = result[f"vllm_{size}"], result[f"vllm_{size}_lora"]
+    lora_case["bytes_vs_full"] = lora_case["loaded_mib"] / full["loaded_mib"]
+    if quick and not lora_case["loaded_mib"] < full["loaded_mib"] / 2:
+        return [f"vllm: the LoRA update loaded {lora_case['loaded_mib']:.2f} MiB, not less than "
+                f"half the full weights' {full['loaded_mib']:.2f} MiB"]
+    return []
