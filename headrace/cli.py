@@ -410,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
     args.t0 = _start_time(argv)
+    from headrace.runtime.worker import stacks_on_signal
+
+    stacks_on_signal()
     handlers = {"train": _train, "learner": _learner, "actor": _actor, "sft": _sft, "eval": _eval,
                 "bench": _bench, "simulate": _simulate, "audit": _audit, "export": _export,
                 "generate": _generate, "plan": _plan, "serve": _serve}

@@ -52,10 +52,12 @@ import time
 from headrace import benchlib
 from headrace.benchlib import bench_parser, emit
 from headrace.metrics.records import last_record
+from headrace.runtime.worker import STACKS_SIGNAL
 
 KINDS = ("learner", "actor", "redis", "tree")
 RANDOM_SUCCESS = 1 - (7 / 8) ** 3  # a uniform random guesser at n=8 with 3 guesses: ~0.33
 CHECKPOINT_EVERY = 4
+STOP_S = 300.0  # from the last Ctrl-C to the run's exit: its final evaluation included
 
 
 def settings(quick: bool) -> list[str]:
@@ -159,6 +161,18 @@ class Run:
         self.process.wait(30)
         if not wait_gone(tree, 30):
             raise RuntimeError(f"processes outlived the SIGKILL of their tree: {tree}")
+
+    def dump_stacks(self) -> None:
+        """Every headrace process of the tree prints its threads' stacks into the log (`kill
+        -USR1`; not the redis-server, for which the signal means something else)."""
+        for pid, name in members(self.pgid).items():
+            if name.startswith("redis"):
+                continue
+            try:
+                os.kill(pid, STACKS_SIGNAL)
+            except ProcessLookupError:
+                pass
+        time.sleep(2.0)  # faulthandler writes from the signal handler, at once
 
     def cleanup(self) -> None:
         if self.process.poll() is None:
@@ -317,7 +331,12 @@ class Chaos:
             self.wait(run, f"learner step {end}", lambda: run.step() >= end,
                       max(300.0, 10.0 * self.args.final_steps))
             run.process.send_signal(signal.SIGINT)  # Ctrl-C: the run stops and evaluates
-            run.process.wait(timeout=300)
+            try:
+                run.process.wait(timeout=STOP_S)
+            except subprocess.TimeoutExpired:
+                run.dump_stacks()
+                raise RuntimeError(f"the run did not exit within {STOP_S:.0f} s of Ctrl-C; "
+                                   f"every process's stacks are at the end of {self.log.name}")
             summary = run.summary() or {}
             if (run.process.returncode != 0 or summary.get("stopped_by") != "interrupted"
                     or summary.get("errors") or summary.get("steps", 0) < end):

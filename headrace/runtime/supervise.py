@@ -7,9 +7,11 @@ evaluation target reached (`run.stop_at_target`), a worker's failure, or Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pathlib
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -190,33 +192,58 @@ class Reporter:
             sink.close()
 
 
+@contextlib.contextmanager
+def ctrl_c_sets(event: threading.Event):
+    """Within it, Ctrl-C (SIGINT) sets `event` instead of raising KeyboardInterrupt wherever the
+    main thread happens to be (inside a lock, a Redis reply or a child's start, any of which it
+    would leave half done); a second Ctrl-C raises as usual. Off the main thread, where no
+    handler can be installed, Ctrl-C raises as usual."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if event.is_set():
+            raise KeyboardInterrupt
+        event.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def watch(config: Config, t0: float, *, snapshot: Callable[[], dict[str, float]],
           reporter: Reporter, evaluator: Evaluator, failed: Callable[[], bool],
           finished: Callable[[], bool], tick: Callable[[], None] = lambda: None) -> str:
-    """Reports every half second until a stop condition; returns which one stopped the run."""
+    """Reports every half second until a stop condition; returns which one stopped the run
+    (Ctrl-C is read at the next tick: "interrupted")."""
     trained_since = None  # when the first trained step was seen (run.max_train_s counts from it)
+    interrupted = threading.Event()
     try:
-        while True:
-            time.sleep(0.5)
-            tick()
-            current = snapshot()
-            step = int(current.get("learner/step", 0))
-            reporter.report(step, current, time.time() - t0)
-            if trained_since is None and step >= 1:
-                trained_since = time.time()
-            if failed():
-                return "error"
-            if finished():
-                return "max_steps"
-            if config.run.max_wall_s and time.time() - t0 >= config.run.max_wall_s:
-                return "max_wall_s"
-            if (config.run.max_train_s and trained_since is not None
-                    and time.time() - trained_since >= config.run.max_train_s):
-                return "max_train_s"
-            if config.run.stop_at_target and evaluator.reached.is_set():
-                return "target"
-            evaluator.maybe_request(step)  # not at the stop: the final evaluation covers it
-    except KeyboardInterrupt:
+        with ctrl_c_sets(interrupted):
+            while not interrupted.wait(0.5):
+                tick()
+                current = snapshot()
+                step = int(current.get("learner/step", 0))
+                reporter.report(step, current, time.time() - t0)
+                if trained_since is None and step >= 1:
+                    trained_since = time.time()
+                if failed():
+                    return "error"
+                if finished():
+                    return "max_steps"
+                if config.run.max_wall_s and time.time() - t0 >= config.run.max_wall_s:
+                    return "max_wall_s"
+                if (config.run.max_train_s and trained_since is not None
+                        and time.time() - trained_since >= config.run.max_train_s):
+                    return "max_train_s"
+                if config.run.stop_at_target and evaluator.reached.is_set():
+                    return "target"
+                evaluator.maybe_request(step)  # not at the stop: the final evaluation covers it
+            return "interrupted"
+    except KeyboardInterrupt:  # a second Ctrl-C, or off the main thread
         return "interrupted"
 
 

@@ -12,6 +12,7 @@ the supervisor reads into the summary's `errors`.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import os
 import pathlib
@@ -72,6 +73,16 @@ def _recording(run_dir: str, name: str):
     return guard()
 
 
+STACKS_SIGNAL = signal.SIGUSR1
+
+
+def stacks_on_signal() -> None:
+    """`kill -USR1 PID` prints every thread's Python stack on the process's stderr (the run's
+    log) and the process goes on: how a stop that hangs is diagnosed. The supervisor and every
+    child register it."""
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
+
+
 def _setup(name: str, cpus: tuple[int, ...], xla_threads: int,
            supervised: bool = True) -> threading.Event:
     """`supervised`: a child of the supervisor (it dies with it, Ctrl-C is the supervisor's);
@@ -95,6 +106,7 @@ def _setup(name: str, cpus: tuple[int, ...], xla_threads: int,
                                    f"intra_op_parallelism_threads={xla_threads}").strip()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s")
+    stacks_on_signal()
     stop = threading.Event()
 
     def on_signal(signum, frame):
