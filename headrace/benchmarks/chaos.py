@@ -336,7 +336,7 @@ class Chaos:
             except subprocess.TimeoutExpired:
                 run.dump_stacks()
                 raise RuntimeError(f"the run did not exit within {STOP_S:.0f} s of Ctrl-C; "
-                                   f"every process's stacks are at the end of {self.log.name}")
+                                   f"every process's stacks are at the end of {self.log.name}") from None
             summary = run.summary() or {}
             if (run.process.returncode != 0 or summary.get("stopped_by") != "interrupted"
                     or summary.get("errors") or summary.get("steps", 0) < end):
