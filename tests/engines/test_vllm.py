@@ -38,9 +38,11 @@ from tests.engines.reference import (
 )
 
 # The requests an update interrupts are long: a tiny model generates a token in a few ms, and on a
-# loaded machine the pause lands a second or more after it is asked for.
-MAX_LEN = 2048
+# loaded machine the pause lands a second or more after it is asked for. An attempt whose requests
+# all ended before the pause landed is repeated with requests twice as long (up to LONGEST).
+MAX_LEN = 8192
 LONG = 1900
+LONGEST = 7600
 
 # The server's start (a minute or two on 2 shared cores) counts against the first test.
 pytestmark = pytest.mark.timeout(1200)
@@ -88,18 +90,19 @@ def test_generates_from_token_ids_with_logprobs_the_learner_recomputes(served):
     assert abs(ratio_mean - 1) < 1e-2
 
 
-def _generate_and_update(engine, store, contexts, version: int):
-    """Publishes `version` and loads it while `contexts` generate LONG tokens (once each has
-    received one); returns what the generation returned."""
+def _generate_and_update(engine, store, contexts, version: int, new_tokens: int):
+    """Publishes `version` and loads it while `contexts` generate `new_tokens` tokens (once
+    each has received one); returns what the generation returned."""
     store.publish(version_params(version), version)
-    return generate_across_update(engine, contexts, LONG, version, after_first_token=True)[0]
+    return generate_across_update(engine, contexts, new_tokens, version,
+                                  after_first_token=True)[0]
 
 
 def test_a_version_loaded_mid_request_pauses_it_and_stamps_each_token(served):
     engine, store = served
     rng = np.random.default_rng(2)
     contexts = [rng.integers(0, DIMS.vocab_size, n).tolist() for n in (5, 11)]
-    straddled, attempts = 0, 0
+    straddled, attempts, new_tokens = 0, 0, LONG
     # The pause travels client -> API server -> engine core while the engine keeps stepping;
     # on a busy machine it can land after short requests end. Each attempt checks every stamp;
     # one must see the update land inside a request.
@@ -107,13 +110,15 @@ def test_a_version_loaded_mid_request_pauses_it_and_stamps_each_token(served):
         attempts += 1
         old, new = version_params(engine.version), version_params(attempts)
         before = engine.version
-        tokens, logps, versions = _generate_and_update(engine, store, contexts, attempts)
-        print(f"attempt {attempts}: update {engine.last_load['update_s']:.2f} s, paused after "
+        tokens, logps, versions = _generate_and_update(engine, store, contexts, attempts,
+                                                       new_tokens)
+        print(f"attempt {attempts}: {new_tokens} tokens, update "
+              f"{engine.last_load['update_s']:.2f} s, paused after "
               f"{engine.last_load['paused_s']:.2f} s; runner counts "
               f"{engine.last_load['generated']}")
         assert engine.version == attempts
         for context, t, lp, v in zip(contexts, tokens, logps, versions):
-            assert len(t) == LONG, "a paused request must not be aborted or cut short"
+            assert len(t) == new_tokens, "a paused request must not be aborted or cut short"
             assert (np.diff(v) >= 0).all() and set(v.tolist()) <= {before, attempts}, v
             # the stamps are right token by token: each log-prob is its stamped version's
             # (the new version's tokens condition on keys and values the old one computed:
@@ -126,6 +131,7 @@ def test_a_version_loaded_mid_request_pauses_it_and_stamps_each_token(served):
                 first_new = int(np.argmax(v == attempts))
                 wrong = learner_logprobs(new, context, t)[:first_new]
                 assert np.max(np.abs(wrong - lp[:first_new])) > 0.1  # the versions differ
+        new_tokens = min(2 * new_tokens, LONGEST)
     assert straddled, f"no update landed inside a request in {attempts} attempts"
     # the next call is the new version's only, and computed with its weights
     later_tokens, later_logps, later = engine.generate([contexts[0]])
