@@ -210,8 +210,8 @@ def ctrl_c_sets(event: threading.Event):
     previous = signal.signal(signal.SIGINT, handler)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    finally:  # None: a handler not installed from Python, which cannot be put back
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
 
 
 def watch(config: Config, t0: float, *, snapshot: Callable[[], dict[str, float]],
