@@ -3,7 +3,10 @@ acknowledged; its checkpoints and its ledger. The only place the learner persist
 
 Acknowledgement (DESIGN.md, "Buffer contract"). With a checkpointer and `run.checkpoint_every` > 0
 (`periodic`) entries are acknowledged only once a checkpoint that covers them is complete on
-disk; otherwise right after their step (a crash then loses them). A checkpoint holds the train
+disk; otherwise right after their step (a crash then loses them). A periodic checkpoint of one
+learner process is written in the background: the learner trains on while Orbax writes the files,
+and `settle` (after every step) acknowledges what it covers once they are complete; the next
+checkpoint, an early one and the final one wait for it first. A checkpoint holds the train
 state and metadata: the learner step, the weights version, the steps since the last publish, the
 ids handled (trained, dropped, skipped) and not yet acknowledged, and every counter of the
 learner's metrics. After a crash the restored ids are skipped if redelivered (never trained
@@ -68,6 +71,7 @@ class Book:
         self.trained_ids: set[str] = set()  # trained or covered by the checkpoint, not acked
         self._held: set[str] = set()  # read and not yet acknowledged (or quarantined)
         self._held_lock = threading.Lock()
+        self._saving = 0  # how many of `unacked` (the first) the save in flight covers
         self._key: int | None = None  # the newest checkpoint saved or restored
         self._key_step = 0  # the learner step it holds
         self.restored_from: int | None = None
@@ -112,27 +116,31 @@ class Book:
         return not self.periodic or step % self.config.run.checkpoint_every == 0
 
     def acknowledge(self, state, at: Position, early: bool = False) -> None:
-        """Acknowledges after a checkpoint when checkpoints are periodic, else right away.
-        `early`: handled entries fill what the buffer may hand out (logged)."""
+        """Acknowledges after a checkpoint when checkpoints are periodic (written in the
+        background), else right away. `early`: handled entries fill what the buffer may hand out
+        (logged; the checkpoint blocks, since the learner cannot go on without the acks)."""
         if self.periodic:
             if early:
                 log.info("checkpointing early: %d handled entries wait for acknowledgement",
                          len(self.unacked))
-            self.checkpoint(state, at)
+            self.checkpoint(state, at, wait=early)
         else:
             self.flush()
 
-    def checkpoint(self, state, at: Position) -> None:
-        """Saves the state and bookkeeping (blocking), then acknowledges what it covers.
+    def checkpoint(self, state, at: Position, wait: bool = True) -> None:
+        """Saves the state and bookkeeping, then acknowledges what it covers: at once (`wait`,
+        or several processes), or from `settle` once the files are complete.
 
-        A no-op when nothing happened since the last checkpoint. Without a checkpointer it only
-        acknowledges. The key is the learner step, or one past the previous key when no step
-        happened since (a checkpoint that covers only dropped or skipped entries). Several
-        processes: every process calls it at the same point (it is a collective).
+        A save in flight is settled first. A no-op when nothing happened since the last
+        checkpoint. Without a checkpointer it only acknowledges. The key is the learner step, or
+        one past the previous key when no step happened since (a checkpoint that covers only
+        dropped or skipped entries). Several processes: every process calls it at the same point
+        (it is a collective).
         """
         if self.checkpointer is None:
             self.flush()
             return
+        self.settle(wait=True)  # its metadata must not list what an earlier save covers
         if self._key is not None and at.step == self._key_step:
             (handled,) = (bool(self.unacked),) if self.peers is None else \
                 self.peers.vote(bool(self.unacked))  # every process saves, or none
@@ -153,16 +161,40 @@ class Book:
             metadata["unacked"] = [i for host in hosts for i in host["unacked"]]
             metadata["counters"] = dict(sum((collections.Counter(h["counters"]) for h in hosts),
                                             collections.Counter()))
-        # Every process joins (each writes its shards); blocks until complete on disk.
-        self.checkpointer.save(key, state, metadata)
+        # Every process joins (each writes its shards). In the background: returns once the
+        # arrays are copied off the device (the next step may donate them).
+        background = not wait and self.peers is None
+        self.checkpointer.save(key, state, metadata, wait=not background)
         self._key, self._key_step = key, at.step
-        self.flush()
+        if background:
+            self._saving = len(self.unacked)
+        else:
+            self.flush()
+        # the time the learner was held: with a background save, the copy off the device
         self.metrics.observe("learner/checkpoint_s", time.perf_counter() - start)
 
+    def settle(self, wait: bool = False) -> None:
+        """Acknowledges what the save in flight covers once its files are complete (`wait`:
+        blocks until then); a no-op without one, or while it is still writing.
+
+        Raises:
+          Whatever Orbax raises for a save that failed (the learner fails: nothing it covers is
+          acknowledged, so a resume trains it again).
+        """
+        if not self._saving or (not wait and self.checkpointer.saving()):
+            return
+        self.checkpointer.wait()
+        covered, self._saving = self._saving, 0
+        ids, self.unacked = self.unacked[:covered], self.unacked[covered:]
+        self._ack(ids)
+
     def flush(self) -> None:
-        """Acknowledges every entry handled."""
-        if self.unacked:
-            ids, self.unacked = self.unacked, []
+        """Acknowledges every entry handled (no save may be in flight)."""
+        ids, self.unacked, self._saving = self.unacked, [], 0
+        self._ack(ids)
+
+    def _ack(self, ids: list[str]) -> None:
+        if ids:
             self._report()  # admission hears first that these are no longer handled
             self.buffer.ack(ids)
             self.trained_ids.difference_update(ids)

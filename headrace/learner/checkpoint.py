@@ -125,6 +125,10 @@ class Checkpointer:
             self._manager.wait_until_finished()
         self.last_save_s = time.perf_counter() - start
 
+    def saving(self) -> bool:
+        """Whether a save with `wait=False` is still writing (not blocking)."""
+        return self._manager.is_saving_in_progress()
+
     def wait(self) -> None:
         """Blocks until an asynchronous save is complete on disk (then it is safe to ack)."""
         self._manager.wait_until_finished()

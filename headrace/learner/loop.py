@@ -266,6 +266,8 @@ class Learner:
             self._publish_if_due()
             if self.book.due(self.step):
                 self.book.acknowledge(self.state, self.position)
+            else:
+                self.book.settle()  # a checkpoint written in the background: acked once complete
         self.feed.put_back(None)  # stopping: gathered ahead, not trained; gated again if used
 
     def _look_ahead(self) -> None:
