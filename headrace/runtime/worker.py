@@ -79,8 +79,12 @@ STACKS_SIGNAL = signal.SIGUSR1
 def stacks_on_signal() -> None:
     """`kill -USR1 PID` prints every thread's Python stack on the process's stderr (the run's
     log) and the process goes on: how a stop that hangs is diagnosed. The supervisor and every
-    child register it."""
-    faulthandler.register(STACKS_SIGNAL, all_threads=True)
+    child register it. Not where stderr has no file descriptor (`main` called inside a program
+    that captures it, as pytest does)."""
+    try:
+        faulthandler.register(STACKS_SIGNAL, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is an OSError
+        pass
 
 
 def _setup(name: str, cpus: tuple[int, ...], xla_threads: int,
