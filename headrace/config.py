@@ -36,6 +36,11 @@ class RunConfig:
     stop_at_target: bool = False  # end the run once the periodic evaluation reaches eval_target
     checkpoint_every: int = 20  # learner steps between checkpoints; entries are acknowledged after
     # the checkpoint that covers them (0: only at the end, acknowledging each step: not crash-safe)
+    # how a one-process learner writes its periodic checkpoints: "background" (it trains on while
+    # the files are written, and acknowledges once they are complete), "blocking", or "auto":
+    # background where the learner runs on an accelerator, blocking on a CPU (there the write
+    # takes the cores the actors need: fewer steps per second on 2 cores)
+    checkpoint_write: Literal["auto", "background", "blocking"] = "auto"
     ledger: bool = False  # record every group written, trained, dropped (exact accounting; costly)
     launcher: Literal["threads", "processes", "ray"] = "processes"  # how components are run
     log_every: int = 10  # learner steps between metric records

@@ -4,9 +4,10 @@ acknowledged; its checkpoints and its ledger. The only place the learner persist
 Acknowledgement (DESIGN.md, "Buffer contract"). With a checkpointer and `run.checkpoint_every` > 0
 (`periodic`) entries are acknowledged only once a checkpoint that covers them is complete on
 disk; otherwise right after their step (a crash then loses them). A periodic checkpoint of one
-learner process is written in the background: the learner trains on while Orbax writes the files,
-and `settle` (after every step) acknowledges what it covers once they are complete; the next
-checkpoint, an early one and the final one wait for it first. A checkpoint holds the train
+learner process is written in the background where `run.checkpoint_write` says so ("auto": on an
+accelerator): the learner trains on while Orbax writes the files, and `settle` (after every step)
+acknowledges what it covers once they are complete; the next checkpoint, an early one and the
+final one wait for it first. A checkpoint holds the train
 state and metadata: the learner step, the weights version, the steps since the last publish, the
 ids handled (trained, dropped, skipped) and not yet acknowledged, and every counter of the
 learner's metrics. After a crash the restored ids are skipped if redelivered (never trained
@@ -72,6 +73,9 @@ class Book:
         self._held: set[str] = set()  # read and not yet acknowledged (or quarantined)
         self._held_lock = threading.Lock()
         self._saving = 0  # how many of `unacked` (the first) the save in flight covers
+        write = config.run.checkpoint_write
+        self.background = peers is None and (
+            write == "background" or (write == "auto" and jax.default_backend() != "cpu"))
         self._key: int | None = None  # the newest checkpoint saved or restored
         self._key_step = 0  # the learner step it holds
         self.restored_from: int | None = None
@@ -117,19 +121,20 @@ class Book:
 
     def acknowledge(self, state, at: Position, early: bool = False) -> None:
         """Acknowledges after a checkpoint when checkpoints are periodic (written in the
-        background), else right away. `early`: handled entries fill what the buffer may hand out
-        (logged; the checkpoint blocks, since the learner cannot go on without the acks)."""
+        background where `background`), else right away. `early`: handled entries fill what the
+        buffer may hand out (logged; the checkpoint blocks: the learner cannot go on without the
+        acks)."""
         if self.periodic:
             if early:
                 log.info("checkpointing early: %d handled entries wait for acknowledgement",
                          len(self.unacked))
-            self.checkpoint(state, at, wait=early)
+            self.checkpoint(state, at, wait=early or not self.background)
         else:
             self.flush()
 
     def checkpoint(self, state, at: Position, wait: bool = True) -> None:
         """Saves the state and bookkeeping, then acknowledges what it covers: at once (`wait`,
-        or several processes), or from `settle` once the files are complete.
+        or several processes), or from `settle` once the files are complete (not `wait`).
 
         A save in flight is settled first. A no-op when nothing happened since the last
         checkpoint. Without a checkpointer it only acknowledges. The key is the learner step, or
