@@ -10,7 +10,9 @@ import os
 import threading
 import time
 
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+# /proc counts a thread's CPU in clock ticks, each charged to the thread running when it fires:
+# a reading of a few ticks is noise.
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 
 def _thread_cpu_s(native_id: int) -> float | None:
@@ -19,7 +21,7 @@ def _thread_cpu_s(native_id: int) -> float | None:
             fields = f.read().rsplit(b")", 1)[1].split()
     except OSError:  # the thread ended, or no /proc
         return None
-    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
+    return (int(fields[11]) + int(fields[12])) * TICK_S  # utime, stime
 
 
 class TurnCpu:

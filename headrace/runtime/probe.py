@@ -24,6 +24,7 @@ PROBE_TIMEOUT_S = 300.0
 TURN_LOADS = ((64, 0.2), (512, 0.02))
 TURN_START_TIMEOUT_S = 120.0  # for the actor's first call (it may precompile first)
 TURN_WARMUP_S, TURN_WINDOW_S = 2.0, 6.0
+TURN_MIN_TICKS = 10  # turn-side CPU a window must hold, in /proc clock ticks (10 %: error)
 
 
 def probe(config: Config, lengths: tuple[int, ...], repeats: int = 3,
@@ -67,7 +68,7 @@ def measure_turns(config: Config, sampler, params,
     `window_s` (in the probe child): the configured environment with its injected latency (if
     any) replaced by the load's, the child's sampler, all groups kept in memory, no admission."""
     from headrace.actor.actor import Actor
-    from headrace.actor.cpu import TurnCpu
+    from headrace.actor.cpu import TICK_S, TurnCpu
     from headrace.buffer.memory import MemoryBuffer
     from headrace.metrics.core import Metrics
     from headrace.model import params as params_lib
@@ -101,10 +102,12 @@ def measure_turns(config: Config, sampler, params,
             rows = metrics.distribution("actor/batch_rows")
             start = (time.monotonic(), rows.total, rows.count, cpu.read())
             time.sleep(window_s)
-            # A window without a completed call measures nothing (a loaded machine, a slow
-            # call): it is extended until one completes.
+            # A window without a completed call, or with only a few clock ticks of turn-side CPU
+            # (the resolution /proc counts it in), measures nothing (a loaded machine, a slow
+            # call, a short window): it is extended until both are there.
             deadline = time.monotonic() + TURN_START_TIMEOUT_S
-            while rows.count == start[2] and thread.is_alive() and time.monotonic() < deadline:
+            while ((rows.count == start[2] or cpu.read() - start[3] < TURN_MIN_TICKS * TICK_S)
+                   and thread.is_alive() and time.monotonic() < deadline):
                 time.sleep(0.05)
             end = (time.monotonic(), rows.total, rows.count, cpu.read())
         finally:
