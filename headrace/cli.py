@@ -312,13 +312,19 @@ def _eval(args) -> int:
     return 0
 
 
-def _bench(args) -> int:
+def bench_names() -> list[str]:
+    """The benchmarks `headrace bench NAME` runs: the modules of `headrace.benchmarks` whose
+    names do not start with "_" (those are their helpers)."""
     import pkgutil
 
     from headrace import benchmarks
 
-    names = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__)
-                   if not m.name.startswith("_") and not m.ispkg)
+    return sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__)
+                  if not m.name.startswith("_") and not m.ispkg)
+
+
+def _bench(args) -> int:
+    names = bench_names()
     if args.name not in names:
         return _fail(f"no benchmark {args.name!r}; available: {', '.join(names)}")
     module = importlib.import_module(f"headrace.benchmarks.{args.name}")

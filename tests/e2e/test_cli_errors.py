@@ -82,3 +82,18 @@ def test_an_unavailable_sandbox_is_one_line(tmp_path):
                        *QUICK, prefix=prefix)
     _assert_one_line(result, "sandbox")
     assert not (tmp_path / "r" / "redis").exists()  # refused before anything started
+
+
+def test_every_offered_benchmark_runs_and_an_unknown_one_is_one_line():
+    """`headrace bench NAME` offers a module only where it is a benchmark (a `main`); helpers of
+    benchmarks (names starting with "_") are not offered."""
+    import importlib
+
+    from headrace.cli import bench_names
+
+    names = bench_names()
+    assert "utilization" in names and not any(name.startswith("_") for name in names)
+    for name in names:
+        module = importlib.import_module(f"headrace.benchmarks.{name}")
+        assert callable(getattr(module, "main", None)), f"headrace bench {name}: no main()"
+    _assert_one_line(_headrace("bench", "nonesuch"), "no benchmark 'nonesuch'", "utilization")
