@@ -174,7 +174,7 @@ class LoraConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    preset: Literal["tiny", "small", "custom"] = "tiny"  # fills the sizes below unless custom
+    preset: Literal["tiny", "small", "custom"] = "tiny"  # sets d_model..d_ff unless custom
     vocab_size: int = 0  # 0: the tokenizer's vocabulary size
     d_model: int = 64  # residual width
     n_layers: int = 2  # transformer blocks
@@ -384,7 +384,7 @@ def _redacted(url: str) -> str:
 class WeightsConfig:
     backend: Literal["auto", "dir", "memory", "redis"] = "auto"  # weight store (auto: launcher's)
     path: str = ""  # directory of the dir backend (default: RUN_DIR/weights)
-    keep: int = 0  # versions kept (0: max_policy_lag + 2)
+    keep: int = 0  # versions kept: at least max_policy_lag + 2 (`weights_keep`)
     # Redis server of the redis backend, redis://[user@]host:port/db (empty: the buffer's server,
     # the run's embedded one by default); its password is the buffer's unless the URL has one.
     url: str = ""
@@ -442,8 +442,6 @@ class Config:
         _check(self.sampling.top_k == 0 and self.sampling.top_p == 1.0, "sampling.top_k/top_p",
                (self.sampling.top_k, self.sampling.top_p), "actor.engine=vllm reports log-probs "
                "after truncation, which the learner does not apply: use top_k 0 and top_p 1")
-        _check(self.sampling.temperature > 0, "sampling.temperature", self.sampling.temperature,
-               "actor.engine=vllm needs a temperature > 0 (greedy is for evaluation)")
 
     def _resolve_backends(self) -> None:
         """`auto` backends become the launcher's: memory under threads; Redis and the directory

@@ -104,7 +104,7 @@ def _default_buckets() -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class ShapesConfig:
     buckets: tuple[int, ...] = dataclasses.field(default_factory=_default_buckets)  # length ladder
-    rows_per_bucket: int = 0  # rows per microbatch for every bucket (0: derived from token_budget)
+    rows_per_bucket: int = 0  # rows per microbatch, every bucket (0: from token_budget, or all)
     overlong: Literal["truncate", "reject"] = "truncate"  # what to do with a too-long trajectory
     tail_splits: int = 0  # a partly filled microbatch may use 1/2 .. 1/2^k of its bucket's rows
 

@@ -17,20 +17,25 @@ import abc
 from collections.abc import Mapping, Sequence
 
 from headrace.buffer.serialize import QUARANTINE_REASONS
-from headrace.metrics.core import MAX, Distribution, declare
+from headrace.metrics.core import MAX, SUM, Distribution, declare
 from headrace.types import Entry, EntryId, Group
 
 # `stats()` latencies: a sharded buffer reports its slowest shard's (its counts and rates add up
 # over shards); across processes a tail latency is the slowest process's, a median the mean.
 LATENCIES = ("buffer/put_ms_p50", declare("buffer/put_ms_p99", MAX),
              declare("buffer/get_ms_p99", MAX))
+# What each process's client measures of its own calls adds up over processes (the learner's
+# consumption, every actor's blocked puts); depth, pending, quarantined and `ingest_per_s` are
+# the server's, the same in every process's `stats`, so their mean is the value.
+PER_CLIENT = tuple(declare(name, SUM) for name in (
+    "buffer/consume_per_s", "buffer/put_blocked_s", "buffer/redelivered", "buffer/reconnects"))
 
 
 def stats_record(*, depth: int, pending: int, ingest_per_s: float, consume_per_s: float,
                  put_ms: Distribution, get_ms: Distribution, put_blocked_s: float,
                  redelivered: int, quarantined: int, reasons: Mapping[str, int]
                  ) -> dict[str, float]:
-    """The `buffer/*` metrics every backend's `stats` reports (DESIGN.md), from its counts."""
+    """The `buffer/*` metrics every backend's `stats` reports (docs/metrics.md), from its counts."""
     put_p50, put_p99 = put_ms.quantiles((0.5, 0.99))
     (get_p99,) = get_ms.quantiles((0.99,))
     return {
@@ -95,7 +100,7 @@ class Buffer(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> dict[str, float]:
-        """The `buffer/*` metrics (DESIGN.md)."""
+        """The `buffer/*` metrics (docs/metrics.md)."""
 
     def share_with(self, consumers: Sequence[str]) -> None:
         """Names the consumers that live and die with this one (the other processes of one

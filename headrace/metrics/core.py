@@ -1,9 +1,8 @@
-"""Counters, gauges, windowed distributions and timers, safe to share between threads.
+"""Counters, gauges, windowed distributions and averages, safe to share between threads.
 
-`Metrics.snapshot()` flattens everything into the metric names of DESIGN.md: counters and gauges
-as they are, distributions as `<name>_p50`/`_p90`/`_p99` (or `_ms_p99` for millisecond series) and
-`<name>_mean`. Distributions keep the last `window` observations, so percentiles follow the run
-rather than its whole history.
+`Metrics.snapshot()` flattens everything into the metric names of docs/metrics.md: counters and
+gauges as they are, distributions as `<name>_p50`/`_p90`/`_p99` and `<name>_mean`. Distributions
+keep the last `window` observations, so percentiles follow the run rather than its whole history.
 
 How a metric's values from several processes combine (`metrics.remote.merge`) is declared with
 the metric, never read off its name: counters add up (SUM); a distribution's tail series
@@ -15,10 +14,9 @@ MAX)`), and `export` carries the declarations to the merge.
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -144,15 +142,6 @@ class Metrics:
     def average_many(self, name: str, values: Iterable[float]) -> None:
         with self._lock:
             self._series(self.averages, name).extend(values)
-
-    @contextlib.contextmanager
-    def timer(self, name: str) -> Iterator[None]:
-        """Observes the wall time of the block in seconds under `name`."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.observe(name, time.perf_counter() - start)
 
     def distribution(self, name: str) -> Distribution | None:
         with self._lock:
