@@ -4,7 +4,7 @@ Failure modes, each ending the episode (never the actor) and counted: an excepti
 environment (`env/errors`, status error), a step slower than `step_timeout_s` or a reset slower
 than `reset_timeout_s` (`env/timeouts`, status error; the result says `abandoned`: the call may
 still run on its thread, so the caller must not use that environment again), a context too long
-for the sampler (`batch/truncated`, status truncated), an invalid action (`env/invalid_actions`;
+for the sampler (`actor/truncated`, status truncated), an invalid action (`env/invalid_actions`;
 the environment ends the episode with reward 0), a Jinja chat template that raises on the
 conversation (`text/template_errors`, status error). Counted without ending the episode: turns a
 Jinja template cannot render incrementally (`text/render_mismatch`), control-token strings in
@@ -132,7 +132,7 @@ async def run_episode(env: Env, seed: int, policy: BatchedPolicy, tokenizer: Tok
                 status = STATUS_TRUNCATED
         except PromptTooLong as exc:
             status, error = STATUS_TRUNCATED, str(exc)
-            metrics.count("batch/truncated")
+            metrics.count("actor/truncated")
         except ChatTemplateError as exc:
             status, error = STATUS_ERROR, str(exc)
             metrics.count("text/template_errors")
