@@ -72,7 +72,9 @@ case "$what" in
     ;;
   test)
     setup
-    run .venv/bin/python -m pytest -q "$@"
+    # Two test processes (pytest-xdist): many tests wait on process start-up, imports, Redis or
+    # an injected latency rather than use a core. A later `-n N` overrides it (`-n 0`: one).
+    run .venv/bin/python -m pytest -q -n 2 --dist worksteal "$@"
     ;;
   *)
     echo "usage: scripts/run.sh train [CONFIG] [options] | scripts/run.sh test [pytest options]" >&2
