@@ -73,8 +73,9 @@ case "$what" in
   test)
     setup
     # Two test processes (pytest-xdist): many tests wait on process start-up, imports, Redis or
-    # an injected latency rather than use a core. A later `-n N` overrides it (`-n 0`: one).
-    run .venv/bin/python -m pytest -q -n 2 --dist worksteal "$@"
+    # an injected latency rather than use a core; the tests of one xdist_group (the Ray clusters)
+    # run in one of them, one after another. A later `-n N` overrides it (`-n 0`: one).
+    run .venv/bin/python -m pytest -q -n 2 --dist loadgroup "$@"
     ;;
   *)
     echo "usage: scripts/run.sh train [CONFIG] [options] | scripts/run.sh test [pytest options]" >&2

@@ -189,7 +189,8 @@ def run_bench(args: argparse.Namespace, out: pathlib.Path) -> dict[str, Any]:
     result["gain"] = result["trained"]["rate"] - base["rate"]
     result["generated_tokens"] = generated
     result["sampler_tokens_per_s"] = generated / train_s
-    result["truncated_episodes"] = last.get("actor/truncated", 0.0)
+    result["truncated_episodes"] = last.get("actor/truncated", 0.0)  # the context ran out
+    result["truncated_trajectories"] = last.get("batch/truncated", 0.0)  # cut to a bucket
     result["versions_acted"] = last.get("actor/weights_version")
     png = pathlib.Path(figures["run_dir"]) / "curve.png"
     plot(result, png)

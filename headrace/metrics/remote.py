@@ -6,13 +6,11 @@ retried next period; any other error ends the thread: it calls `on_failure` (the
 and `stop()` raises it, so the process ends as failed instead of running on without metrics.
 `merge` sums counters over components and combines each other value present in several components
 as its producer declared (`headrace.metrics.core`: a tail percentile or a declared maximum takes
-the max, the rest the mean). A restarted actor keeps its predecessors' counters in the sum
-(`carry_counters`).
+the max, the rest the mean).
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import math
@@ -26,9 +24,6 @@ from headrace.metrics.core import MAX, MEAN, SUM, Metrics, reduction
 log = logging.getLogger(__name__)
 
 
-EARLIER = "~earlier"  # a component's field of counters kept from its earlier processes
-
-
 def metrics_key(run_id: str) -> str:
     return f"headrace:{{{run_id}:0}}:metrics"
 
@@ -40,13 +35,9 @@ class PublisherError(RuntimeError):
 class Publisher:
     def __init__(self, client: redis.Redis, run_id: str, component: str, metrics: Metrics,
                  period_s: float = 0.5, extra: Callable[[], dict[str, float]] | None = None,
-                 on_failure: Callable[[], None] | None = None, carry_counters: bool = False):
+                 on_failure: Callable[[], None] | None = None):
         """`extra`: more values each period (a buffer's `stats`); their reductions are those
-        declared with `metrics.core.declare` (a mean when none is). `carry_counters`: this
-        component's counters start from zero again where a process of its name ran before (a
-        restarted actor), so `start` keeps those earlier counts, in the field EARLIER after its
-        name, for the sum (a learner restores its counters from its checkpoint instead)."""
-        self._carry_counters = carry_counters
+        declared with `metrics.core.declare` (a mean when none is)."""
         self._extra = extra
         self._on_failure = on_failure
         self.error: BaseException | None = None
@@ -59,24 +50,8 @@ class Publisher:
         self._thread = threading.Thread(target=self._run, name=f"{component}-metrics", daemon=True)
 
     def start(self) -> Publisher:
-        if self._carry_counters:
-            self._keep_earlier_counters()
         self._thread.start()
         return self
-
-    def _keep_earlier_counters(self) -> None:
-        """Adds the counters a previous process of this name published to those kept before it
-        (nothing else of it: its gauges describe a process that is gone), and removes its field."""
-        earlier_field = self._component + EARLIER
-        previous, earlier = self._client.hmget(self._key, [self._component, earlier_field])
-        if previous is None:
-            return
-        counters = collections.Counter(json.loads(earlier)["counters"] if earlier else {})
-        counters.update(json.loads(previous).get("counters", {}))
-        pipe = self._client.pipeline(transaction=True)
-        pipe.hset(self._key, earlier_field, json.dumps({"counters": dict(counters)}))
-        pipe.hdel(self._key, self._component)
-        pipe.execute()
 
     def publish(self) -> None:
         data = self._metrics.export()

@@ -25,6 +25,7 @@ TURN_LOADS = ((64, 0.2), (512, 0.02))
 TURN_START_TIMEOUT_S = 120.0  # for the actor's first call (it may precompile first)
 TURN_WARMUP_S, TURN_WINDOW_S = 2.0, 6.0
 TURN_MIN_TICKS = 10  # turn-side CPU a window must hold, in /proc clock ticks (10 %: error)
+TURN_EXTEND_S = 30.0  # how long a window is extended for them at most
 
 
 def probe(config: Config, lengths: tuple[int, ...], repeats: int = 3,
@@ -104,11 +105,18 @@ def measure_turns(config: Config, sampler, params,
             time.sleep(window_s)
             # A window without a completed call, or with only a few clock ticks of turn-side CPU
             # (the resolution /proc counts it in), measures nothing (a loaded machine, a slow
-            # call, a short window): it is extended until both are there.
-            deadline = time.monotonic() + TURN_START_TIMEOUT_S
-            while ((rows.count == start[2] or cpu.read() - start[3] < TURN_MIN_TICKS * TICK_S)
-                   and thread.is_alive() and time.monotonic() < deadline):
+            # call, a short window): it is extended until both are there, for TURN_EXTEND_S.
+            deadline = time.monotonic() + TURN_EXTEND_S
+            while True:
+                calls, used = rows.count - start[2], cpu.read() - start[3]
+                enough = calls > 0 and used >= TURN_MIN_TICKS * TICK_S
+                if enough or not thread.is_alive() or time.monotonic() >= deadline:
+                    break
                 time.sleep(0.05)
+            if not enough:
+                log.warning("probe: %d environments: %.0f s gave %d policy calls and %.3f s of "
+                            "turn-side CPU; the split of its CPU is uncertain", envs,
+                            time.monotonic() - start[0], calls, used)
             end = (time.monotonic(), rows.total, rows.count, cpu.read())
         finally:
             stop.set()

@@ -210,7 +210,7 @@ def _actor(config_data, run_dir, url, run_id, index, stop, name, standalone) -> 
     buffer = build.make_buffer(config, url=url, run_id=run_id, consumer=name)
     metrics = Metrics()
     publisher = Publisher(buffer.client, run_id, name, metrics, extra=buffer.stats,
-                          on_failure=stop.set, carry_counters=True).start()
+                          on_failure=stop.set).start()
     if standalone:
         from headrace.runtime import standalone as standalone_lib
 

@@ -84,7 +84,7 @@ def test_an_unavailable_sandbox_is_one_line(tmp_path):
     assert not (tmp_path / "r" / "redis").exists()  # refused before anything started
 
 
-def test_every_offered_benchmark_runs_and_an_unknown_one_is_one_line():
+def test_every_offered_benchmark_has_a_main_and_an_unknown_one_is_one_line():
     """`headrace bench NAME` offers a module only where it is a benchmark (a `main`); helpers of
     benchmarks (names starting with "_") are not offered."""
     import importlib

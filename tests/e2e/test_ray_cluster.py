@@ -25,6 +25,7 @@ KEYS = ["nodes", "actors_per_node", "buffer_node", "node_killed", "actor_restart
         "identity_exact", "wall_s"]
 
 
+@pytest.mark.xdist_group("ray")  # one Ray cluster at a time: each wants both cores
 @pytest.mark.slow  # ~70 s idle: learning needs the steps
 @pytest.mark.timeout(900)
 def test_cluster_trains_through_a_killed_worker_node():

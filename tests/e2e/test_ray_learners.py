@@ -33,6 +33,7 @@ SMALL = [
 ]
 
 
+@pytest.mark.xdist_group("ray")  # one Ray cluster at a time: each wants both cores
 @pytest.mark.slow  # two Ray starts and two jax.distributed jobs: ~1-2 min idle
 @pytest.mark.timeout(600)
 def test_two_learner_hosts_train_and_resume_on_ray(tmp_path):

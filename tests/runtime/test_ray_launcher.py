@@ -16,6 +16,7 @@ from headrace.config import load
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.xdist_group("ray")  # one Ray cluster at a time: each wants both cores
 @pytest.mark.timeout(240)
 def test_an_unplaceable_bundle_is_refused_and_cleaned_up(tmp_path, monkeypatch):
     ray = pytest.importorskip("ray")

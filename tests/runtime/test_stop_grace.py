@@ -11,9 +11,10 @@ import pytest
 from headrace.runtime import processes
 
 
-def _slow_to_stop(seconds: float) -> None:
+def _slow_to_stop(seconds: float, ready) -> None:
     """A child that takes `seconds` to finish its 'step' after SIGTERM, then exits cleanly."""
     signal.signal(signal.SIGTERM, lambda *_: (time.sleep(seconds), sys.exit(0)))
+    ready.set()
     while True:
         time.sleep(0.05)
 
@@ -28,10 +29,12 @@ def test_the_grace_is_twice_a_long_step_and_never_below_the_floor():
 @pytest.mark.parametrize("grace_s, exitcode", [(20.0, 0), (0.5, -signal.SIGKILL)])
 def test_stop_waits_for_the_grace_it_was_given_then_kills(grace_s, exitcode):
     context = multiprocessing.get_context("fork")
-    process = context.Process(target=_slow_to_stop, args=(2.0,), name="learner", daemon=True)
+    ready = context.Event()
+    process = context.Process(target=_slow_to_stop, args=(2.0, ready), name="learner",
+                              daemon=True)
     process.start()
     try:
-        time.sleep(0.5)  # its SIGTERM handler is in place
+        assert ready.wait(30), "the child never installed its SIGTERM handler"
         supervisor = types.SimpleNamespace(actors=[], learners=[types.SimpleNamespace(
             process=process)], grace_s=grace_s, stopping=False)
         processes.Supervisor.stop(supervisor)
