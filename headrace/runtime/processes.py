@@ -35,6 +35,7 @@ from headrace.buffer.base import BufferError
 from headrace.buffer.redis_stream import call_with_retry, enable_ledger
 from headrace.config import Config, ConfigError
 from headrace.metrics.core import Metrics
+from headrace.metrics.remote import metrics_key
 from headrace.metrics.remote import read as read_metrics
 from headrace.model import params as params_lib
 from headrace.parallel import multihost
@@ -253,6 +254,11 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
             retried("the resume check", lambda: resume.check_resumable(run_dir, client, run_id))
             resume.begin_resume(run_dir, as_given)
             build.clear_pins(run_dir)  # evaluation points of steps the crash undid: trained again
+            # The crashed run's processes left their last metrics in the server (its learner's
+            # step, which the crash may have undone): the resumed run's start afresh, its
+            # learner's from its checkpoint, and no view of it shows the undone steps.
+            retried("clearing the crashed run's metrics",
+                    lambda: client.delete(metrics_key(run_id)))
         if config.run.ledger:  # before any child opens the buffer; on every shard
             for shard in range(config.buffer.shard_count):
                 if config.buffer.urls and shard:

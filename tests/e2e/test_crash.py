@@ -196,6 +196,12 @@ def test_sigkill_then_resume_keeps_the_accounting_identity_exactly(tmp_path, pro
     lines = (run_dir / RunDir.METRICS).read_text().splitlines()
     steps = [json.loads(line)["step"] for line in lines]
     assert steps[0] < killed_at <= steps[-1] == target  # appended to, not replaced
+    # The resumed run's lines start from its checkpoint, never from the step the killed learner
+    # had reached and the crash undid (its last metrics, left in the server, are cleared).
+    resumed = [json.loads(line) for line in lines]
+    resumed = [r.get("learner/step", 0) for r in resumed
+               if r["time"] >= record["resumes"][0]["time"]]
+    assert resumed and resumed == sorted(resumed) and resumed[-1] == target, resumed
 
     # 3. The accounting identity, by id, on the run's own Redis restarted from its append-only file.
     with RedisServer(run_dir / RunDir.REDIS) as server:
