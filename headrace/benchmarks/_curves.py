@@ -62,3 +62,11 @@ def learning_ratio(async_curve: list[dict], sync_curve: list[dict]) -> tuple[flo
     if not ratios:
         return None, []
     return min(r["ratio"] for r in ratios), ratios
+
+
+def sync_rise(sync_curve: list[dict], ratios: list[dict]) -> float | None:
+    """How far sync's success rose from its first curve point to its best compared point (from
+    `learning_ratio`): the learning there is to compare async against (None: nothing compared)."""
+    if not ratios or not sync_curve:
+        return None
+    return max(r["sync"] for r in ratios) - sync_curve[0]["success"]

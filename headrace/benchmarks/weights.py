@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         from headrace.benchmarks import _weights_vllm
 
         failures += _weights_vllm.add_cases(result, args.repeats or (3 if args.quick else 5),
-                                           args.quick)
+                                            args.quick)
     if args.quick:
         result["checks_passed"] = not failures
     return benchlib.finish(result, failures, as_json=args.json, title="weights: publish -> pickup")

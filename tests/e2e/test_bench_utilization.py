@@ -27,7 +27,8 @@ def test_quick_bench_prints_every_key_and_each_way_shows_its_mechanism():
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(result.stdout)
     settings, little = data["settings"], data["little"]
-    per_batch = settings["groups_per_batch"]
+    per_batch, secrets = settings["groups_per_batch"], settings["secrets"]
+    assert (secrets, settings["max_turns"]) == (16, 4)  # a task learnt within the window
     for way in ("learner_alone", "sync", "async"):
         for key in WAY_KEYS:
             assert key in data[way], (way, key)
@@ -47,7 +48,7 @@ def test_quick_bench_prints_every_key_and_each_way_shows_its_mechanism():
     assert 0 <= async_["lag_mean"] <= little["max_policy_lag"], (async_, little)
     # Little's law as documented: the learner's consume rate alone x the episode latency.
     assert little["consume_groups_per_s"] == pytest.approx(alone["steps_per_s"] * per_batch)
-    episode_s = 5 * (settings["env_latency_s"] * math.exp(0.25**2 / 2) + 0.1)
+    episode_s = settings["max_turns"] * (settings["env_latency_s"] * math.exp(0.25**2 / 2) + 0.1)
     assert little["episode_s"] == pytest.approx(episode_s)
     assert little["in_flight_groups_needed"] == pytest.approx(
         little["consume_groups_per_s"] * little["episode_s"])
@@ -55,7 +56,7 @@ def test_quick_bench_prints_every_key_and_each_way_shows_its_mechanism():
     for way in ("learner_alone", "sync", "async"):
         assert data[way]["steal_s"] >= 0, (way, data[way])  # (a clock: checked in test_benchlib)
     # Learning: every way has a curve of greedy evaluations at equal updates (quick: every 2
-    # steps, before the last of its 8), each point a success rate on the 32 secrets.
+    # steps, before the last of its 8), each point a success rate on the N secrets.
     for way in ("learner_alone", "sync", "async"):
         curve = data[way]["eval_curve"]
         assert curve, (way, data[way])
@@ -63,14 +64,16 @@ def test_quick_bench_prints_every_key_and_each_way_shows_its_mechanism():
         for point in curve:
             assert point["updates"] % (2 * settings["epochs"]) == 0, (way, point)
             assert point["updates"] < QUICK_STEPS * settings["epochs"], (way, point)
-            assert 0 <= point["success"] <= 1 and round(point["success"] * 32) == pytest.approx(
-                point["success"] * 32, abs=1e-9), (way, point)
+            assert 0 <= point["success"] <= 1 and round(
+                point["success"] * secrets) == pytest.approx(point["success"] * secrets,
+                                                             abs=1e-9), (way, point)
     # Async's pool runs batches ahead of the learner: it trains at a lag, reported in updates.
     assert async_["lag_updates_mean"] > 0, async_
     assert async_["lag_updates_p90"] > 0, async_
     assert sync["lag_updates_mean"] == 0, sync
     assert set(async_["dropped"]) == {"lag", "age"}
-    for key in ("learning_ratio_min", "time_to_target_ratio", "figures_from"):
+    for key in ("learning_ratio_min", "time_to_target_ratio", "figures_from", "sync_rise",
+                "learning_visible"):
         assert key in data, key
     assert "without injected latency" in data["figures_from"]["sync"]
 
@@ -103,6 +106,9 @@ def test_curve_is_the_seed_mean_at_shared_points_and_the_ratio_skips_the_first_q
     assert [p["updates"] for p in points] == [40, 80]
     assert ratio == pytest.approx(0.75)
     assert bench.learning_ratio(curve, [{"updates": 7, "wall_s": 0, "success": 1}]) == (None, [])
+    # what sync learnt to compare against: its best compared point (0.9 at 80) over its first
+    assert bench.sync_rise(sync, points) == pytest.approx(0.4)
+    assert bench.sync_rise(sync, []) is None
 
 
 def test_lag_in_updates_is_versions_times_updates_per_version():
