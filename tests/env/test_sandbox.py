@@ -244,12 +244,15 @@ def test_output_is_capped_and_a_flood_is_killed(sandbox):
     assert not result.timed_out and result.wall_s < sandbox.limits.wall_s
 
 
-def test_file_size_limit_and_working_directory_removed(sandbox):
-    before = {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("headrace-sbx-")}
+def test_file_size_limit_and_working_directory_removed(sandbox, monkeypatch):
+    # The run's own folder, not a listing of the temporary directory: other test processes
+    # (pytest -n) make and remove sandbox folders there at the same time.
+    made, mkdtemp = [], tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kw: made.append(mkdtemp(**kw)) or made[-1])
     result = sandbox.run(["-c", "open('big', 'wb').write(b'x' * (64 << 20))"])
     assert result.exit_code == 1 and b"File too large" in result.stderr
-    after = {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("headrace-sbx-")}
-    assert after <= before
+    assert len(made) == 1 and made[0].startswith(os.path.join(tempfile.gettempdir(), "headrace-sbx-"))
+    assert not os.path.exists(made[0])
 
 
 def test_concurrent_runs_get_distinct_uids(sandbox):
