@@ -5,12 +5,11 @@ utilisation for a larger pool."""
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
 from headrace.audit.audit import admitting_limits
+from tests.e2e.benchrun import run_headrace
 
 POINT_KEYS = ("actors", "envs_per_actor", "measured_utilization", "predicted_utilization",
               "measured_lag_mean", "predicted_lag_mean")
@@ -22,8 +21,7 @@ SATURATED_NOISE = 0.05
 
 @pytest.mark.timeout(600)
 def test_quick_bench_prints_every_key_and_sizes_pools_as_documented():
-    result = subprocess.run([sys.executable, "-m", "headrace.cli", "bench", "audit", "--quick",
-                             "--json"], capture_output=True, text=True, timeout=580)
+    result = run_headrace(["bench", "audit", "--quick", "--json"], timeout_s=580)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(result.stdout)
     per_batch = data["settings"]["groups_per_batch"]

@@ -3,10 +3,10 @@ quick run stops at its one step with the final evaluation there, and the service
 up."""
 
 import json
-import subprocess
-import sys
 
 import pytest
+
+from tests.e2e.benchrun import run_headrace
 
 FIGURES = ("learner_steps_per_s", "actor_env_s_p50", "actor_env_s_p99", "reward_mean_first",
            "reward_mean_last", "eval_curve", "final_success_rate", "steps")
@@ -14,8 +14,7 @@ FIGURES = ("learner_steps_per_s", "actor_env_s_p50", "actor_env_s_p99", "reward_
 
 @pytest.mark.timeout(900)
 def test_quick_bench_reports_every_environment():
-    result = subprocess.run([sys.executable, "-m", "headrace.cli", "bench", "envs", "--quick",
-                             "--json"], capture_output=True, text=True, timeout=880)
+    result = run_headrace(["bench", "envs", "--quick", "--json"], timeout_s=880)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(result.stdout)  # stdout is exactly one JSON object
     envs = data["envs"]

@@ -7,10 +7,10 @@ and steps per second are not compared here; the full benchmark compares them.)""
 import json
 import math
 import pathlib
-import subprocess
-import sys
 
 import pytest
+
+from tests.e2e.benchrun import run_headrace
 
 WAY_KEYS = ("learner_utilization", "steps_per_s", "trajectories_per_s", "updates_per_trajectory",
             "lag_mean", "in_flight_mean", "dropped_lag", "warmup_s", "steal_s", "eval_curve",
@@ -22,8 +22,7 @@ QUICK_STEPS, QUICK_GROUPS, GROUP_SIZE = 8, 16, 8  # the utilisation bench's quic
 
 @pytest.mark.timeout(1200)
 def test_quick_bench_prints_every_key_and_each_way_shows_its_mechanism():
-    result = subprocess.run([sys.executable, "-m", "headrace.cli", "bench", "utilization",
-                             "--quick", "--json"], capture_output=True, text=True, timeout=1180)
+    result = run_headrace(["bench", "utilization", "--quick", "--json"], timeout_s=1180)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(result.stdout)
     settings, little = data["settings"], data["little"]
