@@ -185,6 +185,7 @@ class BatchedPolicy:
         finally:
             self.live -= 1
             if slot is not None:
+                self.sampler.release(slot)  # the next episode there starts afresh
                 self._free_slots.append(slot)
             self._wake.set()
 

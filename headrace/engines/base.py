@@ -45,6 +45,10 @@ class Engine(Protocol):
         token included) and their log-probs under the temperature-scaled, untruncated
         distribution they were drawn from."""
 
+    def release(self, slot: int) -> None:
+        """The episode of cache slot `slot` has ended: the next episode there must not reuse
+        what it kept (computed by weights older than the next episode's stamp)."""
+
     def max_context(self) -> int:
         """The longest context a call accepts (longer ones raise `PromptTooLong`)."""
 

@@ -110,7 +110,7 @@ class VLLMEngine:
       prompt_too_long: the exception class a too-long context raises.
     """
 
-    episodes = 0  # the server keeps its own caches (prefix caching); no slots here
+    episodes = 0  # no cache slots kept between turns (and the server's prefix caching is off)
     compiles = 0
     inline_compiles = 0
 
@@ -146,6 +146,9 @@ class VLLMEngine:
         self._closed = False
 
     # --- Engine ----------------------------------------------------------------------------
+
+    def release(self, slot: int) -> None:
+        """Never called: with no slots (`episodes` 0) no episode holds one."""
 
     def max_context(self) -> int:
         return self.settings.max_model_len - self.settings.max_new_tokens

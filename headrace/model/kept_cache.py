@@ -2,10 +2,10 @@
 
 Slot k (0 <= k < episodes) holds the keys and values of the tokens episode k fed through the
 model so far, and `prefix` says how many of a new context's leading tokens it holds, so a turn
-computes only its new tokens. One more slot, `spare`, takes padding rows. The pool is made on
-first use (`ensure`) and donated to every call that uses it (`pool` is then the call's result).
-Earlier turns' keys and values are those of the weights that computed them, as in PipelineRL's
-in-flight weight updates.
+computes only its new tokens; `forget` empties a slot when its episode ends. One more slot,
+`spare`, takes padding rows. The pool is made on first use (`ensure`) and donated to every call
+that uses it (`pool` is then the call's result). Earlier turns' keys and values are those of the
+weights that computed them, as in PipelineRL's in-flight weight updates.
 """
 
 from __future__ import annotations
@@ -50,6 +50,14 @@ class KeptCaches:
         the generated tokens but the last, which was sampled, not fed)."""
         for slot, context, tokens in zip(slots, contexts, generated):
             self._tokens[slot] = np.concatenate([np.asarray(context, np.int32), tokens[:-1]])
+
+    def forget(self, slot: int) -> None:
+        """Slot `slot`'s episode has ended: the next episode there computes its context afresh.
+        Kept keys and values are of the weights that computed them, which is right within one
+        episode only; a new episode whose first context starts as the last one did (a fixed
+        task prompt) would otherwise attend to an older policy's keys and values while its
+        log-probs are stamped with the current version."""
+        self._tokens[slot] = None
 
     def slot_b(self, slots: Sequence[int], rows: int) -> np.ndarray:
         """i32[rows]: the slots of a call's rows; padding rows take the spare slot."""

@@ -132,6 +132,11 @@ class Sampler:
         with self._lock:
             self._params, self.version = params, version
 
+    def release(self, slot: int) -> None:
+        """The episode of kept-cache slot `slot` has ended (`KeptCaches.forget`). Called with no
+        call of that slot in flight (its episode made its last one), so nothing races it."""
+        self.kept.forget(slot)
+
     def max_context(self) -> int:
         return self.buckets[-1] - self.settings.max_new_tokens
 

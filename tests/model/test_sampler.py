@@ -213,3 +213,33 @@ def test_a_precompiled_sampler_compiles_nothing_more(episodes):
                                                                               tokens)}
     assert sampler.compiles == compiled and sampler.inline_compiles == 0
     assert sampler.precompile() == 0
+
+
+def _fresh_episode_logps(release: bool):
+    """Two episodes in turn in slot 0 with one prompt (a fixed task prompt), the weights updated
+    between them: the second's tokens and log-probs, and the new weights."""
+    graphdef, old = params_lib.init(DIMS, seed=3)
+    _, new = params_lib.init(DIMS, seed=4)
+    sampler = Sampler(graphdef, SamplerSettings(temperature=1.0, max_new_tokens=1),
+                      DIMS.vocab_size, buckets=(16,), max_batch=8, seed=0, episodes=1)
+    prompt = np.arange(3, 12, dtype=np.int32)
+    sampler.set_params(old, 0)
+    sampler.generate([prompt], slots=[0])
+    if release:
+        sampler.release(0)
+    sampler.set_params(new, 1)
+    tokens, logps, version = sampler.generate([prompt], slots=[0])
+    assert version == 1
+    return graphdef, new, prompt, tokens[0], logps[0]
+
+
+def test_a_released_slot_is_computed_afresh_by_the_next_episode():
+    """The next episode in a released slot gets the new weights' log-probs, not ones computed on
+    the keys and values the last episode's (older) weights left there."""
+    graphdef, new, prompt, tokens, logps = _fresh_episode_logps(release=True)
+    np.testing.assert_allclose(logps, full_forward_logprobs(graphdef, new, prompt, tokens, 1.0),
+                               atol=1e-5)
+    # the check can tell: reusing the slot unreleased mixes the two weights by far more
+    graphdef, new, prompt, tokens, logps = _fresh_episode_logps(release=False)
+    ref = full_forward_logprobs(graphdef, new, prompt, tokens, 1.0)
+    assert np.abs(logps - ref).max() > 100 * 1e-5
