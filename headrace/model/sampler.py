@@ -133,8 +133,9 @@ class Sampler:
             self._params, self.version = params, version
 
     def release(self, slot: int) -> None:
-        """The episode of kept-cache slot `slot` has ended (`KeptCaches.forget`). Called with no
-        call of that slot in flight (its episode made its last one), so nothing races it."""
+        """The episode of kept-cache slot `slot` has ended (`KeptCaches.forget`). Its calls have
+        returned by then, so nothing races this, unless it was cancelled mid-call: that happens
+        only when the actor stops (`Actor.run`), and no episode follows."""
         self.kept.forget(slot)
 
     def max_context(self) -> int:
