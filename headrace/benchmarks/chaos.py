@@ -100,6 +100,20 @@ def members(pgid: int) -> dict[int, str]:
     return found
 
 
+def dump_stacks(pgid: int) -> None:
+    """Every headrace process of group `pgid` prints its threads' stacks to its stderr (`kill
+    -USR1`, `headrace.runtime.worker.stacks_on_signal`; not a redis-server, for which the signal
+    means something else). Returns once faulthandler has had time to write."""
+    for pid, name in members(pgid).items():
+        if name.startswith("redis"):
+            continue
+        try:
+            os.kill(pid, STACKS_SIGNAL)
+        except ProcessLookupError:
+            pass
+    time.sleep(3.0)  # faulthandler writes from the signal handler, at once
+
+
 def redis_pids(run_dir: pathlib.Path) -> set[int]:
     """The live redis-server serving RUN_DIR/redis, from its pid file (the server rewrites its
     command line, so the config path cannot be matched there)."""
@@ -161,18 +175,6 @@ class Run:
         self.process.wait(30)
         if not wait_gone(tree, 30):
             raise RuntimeError(f"processes outlived the SIGKILL of their tree: {tree}")
-
-    def dump_stacks(self) -> None:
-        """Every headrace process of the tree prints its threads' stacks into the log (`kill
-        -USR1`; not the redis-server, for which the signal means something else)."""
-        for pid, name in members(self.pgid).items():
-            if name.startswith("redis"):
-                continue
-            try:
-                os.kill(pid, STACKS_SIGNAL)
-            except ProcessLookupError:
-                pass
-        time.sleep(2.0)  # faulthandler writes from the signal handler, at once
 
     def cleanup(self) -> None:
         if self.process.poll() is None:
@@ -334,7 +336,7 @@ class Chaos:
             try:
                 run.process.wait(timeout=STOP_S)
             except subprocess.TimeoutExpired:
-                run.dump_stacks()
+                dump_stacks(run.pgid)
                 raise RuntimeError(f"the run did not exit within {STOP_S:.0f} s of Ctrl-C; "
                                    f"every process's stacks are at the end of {self.log.name}") from None
             summary = run.summary() or {}

@@ -5,12 +5,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from headrace.benchmarks.chaos import members
-from headrace.runtime.worker import STACKS_SIGNAL
+from headrace.benchmarks.chaos import dump_stacks
 
 STACKS_TAIL = 30_000  # characters of stderr a timeout failure shows (stacks of every process)
 
@@ -29,14 +27,8 @@ def run_headrace(args: list[str], timeout_s: float) -> subprocess.CompletedProce
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        # redis-servers run in sessions of their own and are not signalled (USR1 means
-        # something else to them); they stop when their run's supervisor dies
-        for pid in members(process.pid):
-            try:
-                os.kill(pid, STACKS_SIGNAL)
-            except ProcessLookupError:
-                pass
-        time.sleep(3.0)  # faulthandler writes from the signal handler, at once
+        # redis-servers run in sessions of their own: they stop when their run's supervisor dies
+        dump_stacks(process.pid)
         try:
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
