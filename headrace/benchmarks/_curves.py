@@ -70,3 +70,11 @@ def sync_rise(sync_curve: list[dict], ratios: list[dict]) -> float | None:
     if not ratios or not sync_curve:
         return None
     return max(r["sync"] for r in ratios) - sync_curve[0]["success"]
+
+
+def auc_ratio(ratios: list[dict]) -> float | None:
+    """Async's success summed over the compared points (from `learning_ratio`) over sync's: the
+    ratio of the two curves' areas there, which one noisy point moves far less than the minimum
+    (None: nothing compared, or sync never above 0)."""
+    sync = sum(r["sync"] for r in ratios)
+    return sum(r["async"] for r in ratios) / sync if sync > 0 else None

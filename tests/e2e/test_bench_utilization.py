@@ -21,8 +21,9 @@ QUICK_STEPS, QUICK_GROUPS, GROUP_SIZE = 8, 16, 8  # the utilisation bench's quic
 
 
 @pytest.mark.timeout(1200)
-def test_quick_bench_prints_every_key_and_each_way_shows_its_mechanism():
-    result = run_headrace(["bench", "utilization", "--quick", "--json"], timeout_s=1180)
+def test_quick_bench_prints_every_key_and_each_way_shows_its_mechanism(tmp_path):
+    result = run_headrace(["bench", "utilization", "--quick", "--json", "--noise-check",
+                           "--out", str(tmp_path)], timeout_s=1180)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(result.stdout)
     settings, little = data["settings"], data["little"]
@@ -72,9 +73,20 @@ def test_quick_bench_prints_every_key_and_each_way_shows_its_mechanism():
     assert sync["lag_updates_mean"] == 0, sync
     assert set(async_["dropped"]) == {"lag", "age"}
     for key in ("learning_ratio_min", "time_to_target_ratio", "figures_from", "sync_rise",
-                "learning_visible"):
+                "learning_visible", "learning_auc_ratio"):
         assert key in data, key
     assert "without injected latency" in data["figures_from"]["sync"]
+    # --noise-check: sync's curve runs ran a second time, to their steps, and were compared with
+    # the first by the same figures as async.
+    noise = data["noise"]
+    assert noise["eval_curve"] and len(noise["seed_final_success"]) == settings["seeds"], noise
+    again = json.loads((tmp_path / "sync-curve-again-s0" / "summary.json").read_text())
+    assert again["stopped_by"] == "max_steps", again
+    for figures in (data, noise):
+        ratios = figures["learning_ratios"]
+        if ratios and sum(p["sync"] for p in ratios) > 0:
+            assert figures["learning_auc_ratio"] == pytest.approx(
+                sum(p["async"] for p in ratios) / sum(p["sync"] for p in ratios))
 
 
 def _bench():
@@ -108,6 +120,9 @@ def test_curve_is_the_seed_mean_at_shared_points_and_the_ratio_skips_the_first_q
     # what sync learnt to compare against: its best compared point (0.9 at 80) over its first
     assert bench.sync_rise(sync, points) == pytest.approx(0.4)
     assert bench.sync_rise(sync, []) is None
+    # the areas over the compared points: (0.375 + 0.875) / (0.5 + 0.9)
+    assert bench.auc_ratio(points) == pytest.approx(1.25 / 1.4)
+    assert bench.auc_ratio([]) is None
 
 
 def test_lag_in_updates_is_versions_times_updates_per_version():
