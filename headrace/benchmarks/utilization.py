@@ -26,7 +26,9 @@ settings) and its time to target from that curve's updates times the step period
 latency (`figures_from` says which figure comes from which run). The bench exits 1 when async's
 curve falls below `--learning-floor` x sync's at some point past the first quarter (it trained at
 a lag its learning does not survive), or when sync's curve rose too little for a comparison
-(learning not visible in the window), unless `--quick`.
+(learning not visible in the window), unless `--quick`. `learning_auc_ratio` compares the curves'
+areas over the same points; `--noise-check` runs sync's curve runs a second time and compares the
+two the same way, which says how far apart chance alone puts them.
 """
 
 from __future__ import annotations
