@@ -64,8 +64,9 @@ def stop(proc: subprocess.Popen, control) -> None:
     """Asks the bootstrap to SIGKILL the program (PID 1 of its namespace, so everything in it
     dies and is reaped there); SIGKILLs the bootstrap's process group if it has not ended in 2 s."""
     try:
-        control.write(b"k")
-        control.flush()
+        # Straight to the pipe: a request the bootstrap can no longer read (it died first) fails
+        # here, and nothing is left in a buffer to fail again when the pipe's file closes.
+        os.write(control.fileno(), b"k")
     except OSError:
         pass
     try:

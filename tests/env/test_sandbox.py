@@ -7,6 +7,8 @@ import dataclasses
 import json
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 
@@ -242,6 +244,19 @@ def test_output_is_capped_and_a_flood_is_killed(sandbox):
     assert len(result.stdout) == 4096 and result.stdout_total > 1 << 20
     # Killed for its output, not left to run into the wall-clock limit.
     assert not result.timed_out and result.wall_s < sandbox.limits.wall_s
+
+
+def test_a_kill_request_to_a_bootstrap_that_died_first_is_not_an_error():
+    # The flood and wall-clock kills race the bootstrap's own end: the request then finds the
+    # control pipe's reader gone. The pipe's file is opened as the sandbox opens it (buffered).
+    from headrace.env.sandbox_io import stop
+
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(30)
+    with os.fdopen(write_fd, "wb") as control:
+        stop(proc, control)  # neither here nor at close: BrokenPipeError
 
 
 def test_file_size_limit_and_working_directory_removed(sandbox, monkeypatch):
