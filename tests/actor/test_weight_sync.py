@@ -120,6 +120,9 @@ def test_concurrent_refreshes_load_one_at_a_time_and_versions_only_increase(host
         stop.set()
         for thread in threads:
             thread.join(10)
+        # The check in flight, or a new one queued behind it on the one weights thread: once it
+        # is done, every install has also recorded its pickup (after set_params, on that thread).
+        sync.refresh(force=True, raise_error=False).result(30)
         sync.close()
     assert not errors and not any(t.is_alive() for t in threads)
     assert sampler.version == 19
