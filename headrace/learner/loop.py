@@ -134,6 +134,8 @@ class Learner:
             self._train_step.freeze(step_lib.compute_params(params, dims))
             trainable = lora_lib.init(params, self._train_step.lora, config.run.seed + 1)
         self.state = init_state(trainable, optimizer, lc.kl_coef, lc.master_dtype)
+        if self.processes > 1:  # before the first collective (see multihost.CompiledTogether)
+            multihost.barrier("headrace-learner-built", multihost.COMPILE_BARRIER_S)
         if isinstance(self._train_step, ShardedTrainStep):
             self.state = self._train_step.place(self.state)
         self.peers = multihost.Peers() if self.processes > 1 else None

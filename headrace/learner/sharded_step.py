@@ -41,6 +41,7 @@ from headrace.learner.train_step import RATIO_MAX, Accum, TrainState, TrainStep,
 from headrace.model import params as params_lib
 from headrace.model.lora import LoraSpec
 from headrace.model.transformer import ModelDims
+from headrace.parallel import multihost
 from headrace.parallel import rules as rules_lib
 from headrace.parallel.mesh import ROW_AXES, TENSOR, axis_size, make_mesh, row_shards
 
@@ -194,9 +195,12 @@ class ShardedTrainStep(TrainStep):
         carry_shardings = self.shardings_for(carry)
         rep = self._replicated
         mb_shardings = {k: self.batch_sharding for k in TRAIN_FIELDS}
-        return jax.jit(self._program(), donate_argnums=0,
+        step = jax.jit(self._program(), donate_argnums=0,
                        in_shardings=(carry_shardings, mb_shardings, rep, rep, rep),
                        out_shardings=(carry_shardings, rep))
+        if jax.process_count() == 1:
+            return step
+        return multihost.CompiledTogether(step, self.name)  # no process runs ahead into Gloo
 
     def program_text(self, state: TrainState, arrays: dict[str, Any]) -> str:
         """The StableHLO text of the microbatch program for `state` and one microbatch's arrays

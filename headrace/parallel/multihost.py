@@ -129,3 +129,51 @@ class Peers:
         padded = np.zeros(size, np.uint8)
         padded[:data.size] = data
         return [json.loads(bytes(row).rstrip(b"\0")) for row in self.gather(padded)]
+
+
+# How long a process waits at a barrier for the others: a program can take minutes to compile for
+# a large model (a process that died ends the run sooner, through the supervisor).
+COMPILE_BARRIER_S = 1800
+
+
+class CompiledTogether:
+    """A jitted program that every process of the job compiles before any process runs it.
+
+    On CPU, Gloo gives a collective 30 s (fixed) for the other processes to join. A program's
+    persistent-cache key differs between the processes there (it holds each process's topology)
+    and JAX writes cache entries from process 0 only, so process 0 loads a program from the cache
+    in a fraction of a second while the others compile it, which takes longer than that on a
+    loaded machine: process 0 then times out in the program's first collective. So on a call
+    whose arguments have shapes not seen before, each process compiles first
+    (`lower(...).compile()`, which the call then finds in JAX's in-memory cache) and all meet at a
+    barrier of the coordination service before any runs it. Every process meets the same new
+    shapes in the same order (they agree on every step's shapes, `Peers.agree`), so the barriers
+    pair up. (The learner also meets the others at a barrier before its first collective, for the
+    programs that built its state, `_init_params` among them.)
+    """
+
+    def __init__(self, jitted, name: str, timeout_s: float = COMPILE_BARRIER_S):
+        self.jitted = jitted
+        self.lower = jitted.lower
+        self.name = name
+        self.timeout_s = timeout_s
+        self._seen: set = set()
+
+    def __call__(self, *args):
+        import jax
+
+        shapes = tuple((np.shape(x), str(getattr(x, "dtype", type(x))))
+                       for x in jax.tree.leaves(args))
+        if shapes not in self._seen:
+            self.jitted.lower(*args).compile()
+            barrier(f"{self.name}-compiled-{len(self._seen)}", self.timeout_s)
+            self._seen.add(shapes)
+        return self.jitted(*args)
+
+
+def barrier(name: str, timeout_s: float) -> None:
+    """Waits until every process of the job reaches the barrier `name` (the coordination
+    service's, not a collective: no Gloo timeout applies)."""
+    from jax._src import distributed  # the job's client: no public handle to its barrier
+
+    distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import time
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # 2 devices a process
 
@@ -72,6 +73,21 @@ def main(process_id: int, processes: int, port: int, out_dir: str, steps: int = 
         finish(step_metrics, *rest)
 
     learner._finish_step = record
+    slow_s = float(os.environ.get("SLOW_FIRST_PROGRAM_S", 0))
+    if slow_s and process_id == 1:  # a compile slower than Gloo's 30 s, here alone
+        train_step, compile_program = learner._train_step, learner._train_step._compile
+
+        def slow_compile(carry):
+            program = compile_program(carry)
+
+            def first_call(*args):
+                time.sleep(slow_s)
+                train_step._step = program
+                return program(*args)
+
+            return first_call
+
+        train_step._compile = slow_compile
     learner.publish_start()
     learner.run()
     if checkpointer is not None:

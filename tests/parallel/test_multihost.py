@@ -67,6 +67,16 @@ def test_two_learner_processes_compute_the_update_of_one(tmp_path):
     assert_same_update(one, two)
 
 
+@pytest.mark.timeout(600)
+def test_a_process_far_behind_on_its_first_program_is_waited_for(tmp_path, monkeypatch):
+    # Process 1 reaches the step's program 40 s after process 0 (as when it compiles a program
+    # process 0 loads from the persistent cache, on a loaded machine): past Gloo's fixed 30 s for
+    # a collective, so process 0 must wait before it runs the program, not inside it.
+    monkeypatch.setenv("SLOW_FIRST_PROGRAM_S", "40")
+    two = run_job(tmp_path / "two", 2)
+    assert two["metrics"].shape[0] == 2  # both learner steps
+
+
 def restore_on_one_device(ckpt, step: int) -> dict:
     """The parameters of checkpoint `step`, restored here onto the default device."""
     import jax
