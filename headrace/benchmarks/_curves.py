@@ -78,3 +78,11 @@ def auc_ratio(ratios: list[dict]) -> float | None:
     (None: nothing compared, or sync never above 0)."""
     sync = sum(r["sync"] for r in ratios)
     return sum(r["async"] for r in ratios) / sync if sync > 0 else None
+
+
+def compare(async_curve: list[dict], sync_curve: list[dict]) -> dict:
+    """`learning_ratio_min`, `learning_ratios` and `learning_auc_ratio` of one curve against
+    another at equal updates (the bench's async/sync figures, and sync/sync for the noise)."""
+    ratio_min, ratios = learning_ratio(async_curve, sync_curve)
+    return {"learning_ratio_min": ratio_min, "learning_ratios": ratios,
+            "learning_auc_ratio": auc_ratio(ratios)}

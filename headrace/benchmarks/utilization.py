@@ -46,14 +46,7 @@ import time
 
 from headrace import benchlib
 from headrace.audit.audit import admitting_limits, warmup_allowance_s
-from headrace.benchmarks._curves import (
-    auc_ratio,
-    lag_figures,
-    learning_ratio,
-    mean_curve,
-    sync_rise,
-    time_to_target,
-)
+from headrace.benchmarks._curves import compare, lag_figures, mean_curve, sync_rise, time_to_target
 from headrace.metrics.records import read_records
 
 # Learning inside the bench: the greedy evaluation target, the seeds each curve point is the mean
@@ -242,8 +235,7 @@ def learner_alone(args, run_dir: pathlib.Path) -> dict:
         "updates_per_trajectory": metrics.get("learner/updates_per_trajectory", 0.0),
         # its data are the initial policy's, by design: its lag is its step (the gate is off),
         # and its curve is learning from data that never get fresher
-        "lag_mean": float("nan"), "lag_p90": float("nan"), "lag_updates_mean": float("nan"),
-        "lag_updates_p90": float("nan"),
+        **dict.fromkeys(("lag_mean", "lag_p90", "lag_updates_mean", "lag_updates_p90"), math.nan),
         "in_flight_mean": 0.0,
         "dropped_lag": int(metrics.get("staleness/dropped_lag", 0)),
         "dropped": {"lag": int(metrics.get("staleness/dropped_lag", 0)),
@@ -388,8 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         step_mean_s = args.env_latency * math.exp(SIGMA**2 / 2)
         episode_s = args.max_turns * (step_mean_s + TURN_INFERENCE_S)
         needed = consume_groups_per_s * episode_s
-        headroom = 1.25
-        slots = max(1, math.ceil(needed * headroom))
+        slots = max(1, math.ceil(needed * (headroom := 1.25)))
         if args.quick:  # a smoke run: a pool that starts in seconds (its few steps, most of
             slots = QUICK_GROUPS  # them compiling, measure no steady rate to size one from)
         # The staleness limit and buffer that admit the pool (`audit.admitting_limits`): the
@@ -420,10 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         # make each batch), so this is a second draw of the same on-policy learning.
         again = (way(args, "sync-curve-again", curve_data, root, args.seeds, updates)
                  if args.noise_check else None)
-    sync["eval_curve"] = sync_curve["eval_curve"]
-    sync["seeds"] = sync_curve["seeds"]
-    sync["seed_final_success"] = sync_curve["seed_final_success"]
-    sync["eval_points_left_out"] = sync_curve["eval_points_left_out"]
+    sync.update({k: sync_curve[k] for k in ("eval_curve", "seeds", "seed_final_success",
+                                            "eval_points_left_out")})
     sync.pop("evals")
     sync["curve_step_period_s"] = 1 / sync["steps_per_s"] if sync["steps_per_s"] else None
     at_target = next((p["updates"] for p in sync["eval_curve"] if p["success"] >= args.target),
@@ -431,24 +420,20 @@ def main(argv: list[str] | None = None) -> int:
     sync["time_to_target_s"] = (at_target / updates * sync["curve_step_period_s"]
                                 if at_target is not None and sync["curve_step_period_s"]
                                 else None)
-    ratio_min, ratios = learning_ratio(result_async["eval_curve"], sync["eval_curve"])
+    learning = compare(result_async["eval_curve"], sync["eval_curve"])
+    ratio_min = learning["learning_ratio_min"]
     ttt = (result_async["time_to_target_s"] / sync["time_to_target_s"]
            if result_async["time_to_target_s"] is not None and sync["time_to_target_s"]
            else None)
-    rise = sync_rise(sync["eval_curve"], ratios)
-    noise = None
-    if again is not None:
-        noise_min, noise_ratios = learning_ratio(again["eval_curve"], sync["eval_curve"])
-        noise = {"eval_curve": again["eval_curve"], "seed_final_success":
-                 again["seed_final_success"], "learning_ratio_min": noise_min,
-                 "learning_auc_ratio": auc_ratio(noise_ratios), "learning_ratios": noise_ratios}
+    rise = sync_rise(sync["eval_curve"], learning["learning_ratios"])
+    noise = (None if again is None else
+             {"eval_curve": again["eval_curve"], "seed_final_success": again["seed_final_success"],
+              **compare(again["eval_curve"], sync["eval_curve"])})
     visible = rise is not None and rise >= MIN_RISE
     survives = visible and ratio_min >= args.learning_floor
     result = {
         "learner_alone": alone, "sync": sync, "async": result_async,
-        "learning_ratio_min": ratio_min,
-        "learning_ratios": ratios,
-        "learning_auc_ratio": auc_ratio(ratios),
+        **learning,
         "noise": noise,
         "time_to_target_ratio": ttt,
         "sync_rise": rise,

@@ -162,8 +162,9 @@ class CompiledTogether:
     def __call__(self, *args):
         import jax
 
+        # The first argument (the carried train state) keeps its shapes: the key is the rest's.
         shapes = tuple((np.shape(x), str(getattr(x, "dtype", type(x))))
-                       for x in jax.tree.leaves(args))
+                       for x in jax.tree.leaves(args[1:]))
         if shapes not in self._seen:
             self.jitted.lower(*args).compile()
             barrier(f"{self.name}-compiled-{len(self._seen)}", self.timeout_s)

@@ -90,9 +90,9 @@ def test_quick_bench_prints_every_key_and_each_way_shows_its_mechanism(tmp_path)
 
 
 def _bench():
-    from headrace.benchmarks import utilization
+    from headrace.benchmarks import _curves
 
-    return utilization
+    return _curves
 
 
 def _run(points, warmup_s=10.0):
@@ -123,6 +123,8 @@ def test_curve_is_the_seed_mean_at_shared_points_and_the_ratio_skips_the_first_q
     # the areas over the compared points: (0.375 + 0.875) / (0.5 + 0.9)
     assert bench.auc_ratio(points) == pytest.approx(1.25 / 1.4)
     assert bench.auc_ratio([]) is None
+    assert bench.compare(curve, sync) == {"learning_ratio_min": ratio, "learning_ratios": points,
+                                          "learning_auc_ratio": bench.auc_ratio(points)}
 
 
 def test_lag_in_updates_is_versions_times_updates_per_version():
