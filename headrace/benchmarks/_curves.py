@@ -16,12 +16,17 @@ def _percentile(values: list[float], q: float) -> float:
 
 def lag_figures(trained: list[dict], updates_per_version: int) -> dict:
     """The lag a way trained at, over its logged steps (`staleness/lag_mean` of each record: the
-    step's mean over its groups), in learner versions and in optimizer updates."""
+    step's mean over its groups, each at its oldest token), in learner versions and in optimizer
+    updates, and the mean over generated tokens in updates."""
     lags = [r["staleness/lag_mean"] for r in trained if "staleness/lag_mean" in r]
     mean = sum(lags) / len(lags) if lags else 0.0
     p90 = _percentile(lags, 0.9) if lags else 0.0
+    # per generated token (`staleness/token_lag_mean`): later turns may be newer than the oldest
+    tokens = [r["staleness/token_lag_mean"] for r in trained if "staleness/token_lag_mean" in r]
+    token_mean = sum(tokens) / len(tokens) if tokens else 0.0
     return {"lag_mean": mean, "lag_p90": p90, "lag_updates_mean": mean * updates_per_version,
-            "lag_updates_p90": p90 * updates_per_version}
+            "lag_updates_p90": p90 * updates_per_version,
+            "token_lag_updates_mean": token_mean * updates_per_version}
 
 
 def mean_curve(runs: list[dict], updates_per_step: int) -> list[dict]:

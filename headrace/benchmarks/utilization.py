@@ -235,7 +235,7 @@ def learner_alone(args, run_dir: pathlib.Path) -> dict:
         "updates_per_trajectory": metrics.get("learner/updates_per_trajectory", 0.0),
         # its data are the initial policy's, by design: its lag is its step (the gate is off),
         # and its curve is learning from data that never get fresher
-        **dict.fromkeys(("lag_mean", "lag_p90", "lag_updates_mean", "lag_updates_p90"), math.nan),
+        **dict.fromkeys(lag_figures([], 1), math.nan),
         "in_flight_mean": 0.0,
         "dropped_lag": int(metrics.get("staleness/dropped_lag", 0)),
         "dropped": {"lag": int(metrics.get("staleness/dropped_lag", 0)),

@@ -371,6 +371,13 @@ class Learner:
         m.gauge("staleness/lag_max", float(lags.max()))
         m.gauge("staleness/lag_gen_mean", float(gen.mean()))
         m.gauge("staleness/lag_queue_mean", float((lags - gen).mean()))
+        # Per generated token (each stamped with the version that made it): where weights are
+        # refreshed between turns, a group's later turns are newer than its oldest token.
+        made = np.concatenate([t.policy_version[t.loss_mask] for g in groups
+                               for t in g.trajectories] or [np.zeros(0, np.int32)])
+        made = made[made >= 0]
+        if made.size:
+            m.gauge("staleness/token_lag_mean", float(self.version - made.mean()))
         m.observe_many("staleness/age_s", [now - g.started for g in groups])
         m.count("learner/groups", len(groups))
         m.count("learner/trajectories", sum(len(g.trajectories) for g in groups))

@@ -15,7 +15,7 @@ from tests.e2e.benchrun import run_headrace
 WAY_KEYS = ("learner_utilization", "steps_per_s", "trajectories_per_s", "updates_per_trajectory",
             "lag_mean", "in_flight_mean", "dropped_lag", "warmup_s", "steal_s", "eval_curve",
             "time_to_target_s", "lag_p90", "lag_updates_mean", "lag_updates_p90", "dropped",
-            "is_ess")
+            "is_ess", "token_lag_updates_mean")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 QUICK_STEPS, QUICK_GROUPS, GROUP_SIZE = 8, 16, 8  # the utilisation bench's quick settings
 
@@ -70,6 +70,8 @@ def test_quick_bench_prints_every_key_and_each_way_shows_its_mechanism(tmp_path)
     # Async's pool runs batches ahead of the learner: it trains at a lag, reported in updates.
     assert async_["lag_updates_mean"] > 0, async_
     assert async_["lag_updates_p90"] > 0, async_
+    assert async_["token_lag_updates_mean"] > 0, async_  # each token at the version made it
+    assert sync["token_lag_updates_mean"] == 0, sync
     assert sync["lag_updates_mean"] == 0, sync
     assert set(async_["dropped"]) == {"lag", "age"}
     for key in ("learning_ratio_min", "time_to_target_ratio", "figures_from", "sync_rise",
@@ -129,9 +131,11 @@ def test_curve_is_the_seed_mean_at_shared_points_and_the_ratio_skips_the_first_q
 
 def test_lag_in_updates_is_versions_times_updates_per_version():
     bench = _bench()
-    records = [{"step": i, "staleness/lag_mean": lag} for i, lag in enumerate(range(1, 11), 1)]
+    records = [{"step": i, "staleness/lag_mean": lag, "staleness/token_lag_mean": lag / 2}
+               for i, lag in enumerate(range(1, 11), 1)]
     figures = bench.lag_figures(records, updates_per_version=3)
     assert figures["lag_mean"] == pytest.approx(5.5)
     assert figures["lag_p90"] == 9  # nearest rank: the 9th of 10
     assert figures["lag_updates_mean"] == pytest.approx(16.5)
     assert figures["lag_updates_p90"] == 27
+    assert figures["token_lag_updates_mean"] == pytest.approx(8.25)

@@ -13,6 +13,7 @@ from headrace.config import load
 from headrace.learner.loop import Learner
 from headrace.metrics.core import Metrics
 from headrace.runtime import build
+from headrace.types import Entry
 from headrace.weights.memory import MemoryWeightStore
 from tests.learner.test_checkpointing import actions, make_group, model  # noqa: F401 (fixture)
 
@@ -112,3 +113,19 @@ def test_each_step_gauges_the_mean_reward_of_the_episodes_it_trains(model):  # n
     assert len(seen) == 3 and len({want for want, _ in seen}) == 3
     for want, got in seen:
         assert got == pytest.approx(want)
+
+
+def test_token_lag_counts_each_generated_token_at_the_version_that_made_it(model):  # noqa: F811
+    """A group's lag is its oldest token's; where weights were refreshed between turns its later
+    tokens are newer, and `staleness/token_lag_mean` is their mean lag."""
+    learner = make_learner(model, MemoryBuffer(capacity=10, max_pending=64), max_policy_lag=100,
+                           max_steps=1)
+    groups = [make_group(i, actions(model)) for i in range(2)]
+    for g, made in zip(groups, ([3, 5, 7], [6, 6, 6])):  # generated tokens sit at 1, 3 and 5
+        for t in g.trajectories:
+            t.policy_version[1::2] = made
+    learner.version = 9
+    learner._record_staleness([Entry(f"e{i}", g) for i, g in enumerate(groups)])
+    snapshot = learner.metrics.snapshot()
+    assert snapshot["staleness/lag_mean"] == pytest.approx(((9 - 3) + (9 - 6)) / 2)
+    assert snapshot["staleness/token_lag_mean"] == pytest.approx(9 - (3 + 5 + 7 + 6 + 6 + 6) / 6)
