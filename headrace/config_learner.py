@@ -124,11 +124,14 @@ class StalenessConfig:
     max_policy_lag: int = 4  # groups whose lag exceeds this many versions are dropped
     max_age_s: float = 0.0  # groups older than this (seconds since start) are dropped (0: off)
     forced_lag: int = 0  # experiments: actors act with weights this many versions old
+    max_ready_batches: int = 0  # admission waits while this many batches await the learner (0: off)
 
     def __post_init__(self):
         _check(self.max_policy_lag >= 0, "staleness.max_policy_lag", self.max_policy_lag,
                "must be >= 0")
         _check(self.max_age_s >= 0, "staleness.max_age_s", self.max_age_s, "must be >= 0")
+        _check(self.max_ready_batches >= 0, "staleness.max_ready_batches",
+               self.max_ready_batches, "must be >= 0")
         _check(0 <= self.forced_lag <= self.max_policy_lag, "staleness.forced_lag",
                self.forced_lag, f"must be in [0, staleness.max_policy_lag={self.max_policy_lag}]")
 

@@ -103,7 +103,8 @@ def base_config(args, run_dir: pathlib.Path) -> dict:
                     "optimizer": {"lr": args.lr, "clip_norm": 1.0},
                     "loss": {"kind": args.loss}},
         "shapes": {"buckets": [4, 8, 12]},
-        "staleness": {"max_policy_lag": args.max_policy_lag or 4},
+        "staleness": {"max_policy_lag": args.max_policy_lag or 4,
+                      "max_ready_batches": args.max_ready_batches},
     }
 
 
@@ -328,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-policy-lag", type=int, default=0,
                         help="the staleness limit of sync and async (default: the smallest that "
                              "admits the in-flight groups Little's law calls for)")
+    parser.add_argument("--max-ready-batches", type=int, default=0,
+                        help="staleness.max_ready_batches of async: no group starts while this "
+                             "many batches wait for the learner (default 0: off)")
     parser.add_argument("--prefill-groups", type=int, default=8192)
     parser.add_argument("--eval-every", type=int, default=None,
                         help="learner steps between greedy evaluations (run.eval_every; default "
@@ -356,9 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         args.prefill_groups, args.warmup_allowance = 64, 300.0
         args.d_model, args.n_layers = 64, 2
     if min(args.epochs, args.groups_per_batch, args.seeds, args.eval_every, args.max_turns) < 1 \
-            or args.secrets < 2 or args.env_latency < 0:
+            or args.secrets < 2 or min(args.env_latency, args.max_ready_batches) < 0:
         parser.error("--epochs, --groups-per-batch, --seeds, --eval-every and --max-turns must "
-                     "be >= 1, --secrets >= 2, --env-latency >= 0")
+                     "be >= 1, --secrets >= 2, --env-latency and --max-ready-batches >= 0")
     import typing
 
     from headrace.config import LossConfig
@@ -459,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                    "in_flight_groups_needed": needed, "headroom": headroom,
                    "envs_per_actor_async": 8 * slots,
                    "max_policy_lag": args.max_policy_lag,
+                   "max_ready_batches": args.max_ready_batches,
                    "admission_window_groups": capacity, "buffer_capacity_async": capacity},
         "settings": {"env_latency_s": args.env_latency, "duration_s": args.duration,
                      "groups_per_batch": args.groups_per_batch, "group_size": 8,

@@ -11,7 +11,15 @@ learner step and a publish every `publish_every` steps, the new group is trained
 and an actor holding weights `v_a` may start it when `trained_at - v_a <= max_policy_lag`. When
 `max_age_s` is set and the actor knows its p90 episode time, admission also requires
 `ceil(Q / groups_per_batch) * step_s + p90_episode_s <= max_age_s` (the learner's gate drops groups
-older than `max_age_s`; `step_s` is the learner's recent time per step).
+older than `max_age_s`; `step_s` is the learner's recent time per step). When `max_ready_batches` is
+set, and the p90 episode time and `step_s` are known, admission also requires
+`ceil(Q / groups_per_batch) * step_s <= p90_episode_s + max_ready_batches * step_s`: when the new
+group is done, at most `max_ready_batches` batches are still ahead of it. The lag limit alone caps
+what is in flight plus what is ready, so a pool larger than the learner needs fills that window to
+the limit and its surplus waits in the queue, aging; this cap follows the episode time in learner
+steps instead (L/S), so groups train at about L/S + `max_ready_batches` versions and the surplus
+waits unstarted. It counts the groups in flight, so it reacts at once: a cap on the finished groups
+alone would react an episode late and swing between a flooded and an empty queue (measured).
 
 What `Q` counts, and who reports it:
   * `learner queued`: groups the learner has read from the buffer but not yet trained (reader,
@@ -61,6 +69,7 @@ from headrace.versions import batches_for, trained_at_version
 _NAME = re.compile(r"^[\w.\-:]+$")
 REFUSED_LAG = "lag"  # the group would be trained more than max_policy_lag versions past the weights
 REFUSED_AGE = "age"  # expected wait + p90 episode time would exceed max_age_s
+REFUSED_READY = "ready"  # more than max_ready_batches batches would be ahead when it is done
 
 
 class AdmissionError(RuntimeError):
@@ -86,24 +95,28 @@ class AdmissionLimits:
     publish_every: int  # learner steps between weight publishes
     max_policy_lag: int  # largest admissible trained_at - weights version
     max_age_s: float = 0.0  # largest admissible expected wait + p90 episode time (0: off)
+    max_ready_batches: int = 0  # most batches ahead of a group when it is done (0: off)
 
     def __post_init__(self):
         for name in ("groups_per_batch", "publish_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.max_policy_lag < 0 or self.max_age_s < 0:
-            raise ValueError(f"max_policy_lag={self.max_policy_lag} and max_age_s="
-                             f"{self.max_age_s}: must be >= 0")
+        if self.max_policy_lag < 0 or self.max_age_s < 0 or self.max_ready_batches < 0:
+            raise ValueError(f"max_policy_lag={self.max_policy_lag}, max_age_s="
+                             f"{self.max_age_s} and max_ready_batches="
+                             f"{self.max_ready_batches}: must be >= 0")
 
     @classmethod
     def from_config(cls, config: Config) -> AdmissionLimits:
         """The run's limits; `run.mode: sync` is lag 0 with a publish after every step, so
-        actors generate exactly one batch at the learner's current version, then wait."""
+        actors generate exactly one batch at the learner's current version, then wait (the
+        ready cap is off: the lag already holds them to one batch)."""
         sync = config.run.mode == "sync"
         return cls(groups_per_batch=config.learner.groups_per_batch,
                    publish_every=1 if sync else config.learner.publish_every,
                    max_policy_lag=0 if sync else config.staleness.max_policy_lag,
-                   max_age_s=config.staleness.max_age_s)
+                   max_age_s=config.staleness.max_age_s,
+                   max_ready_batches=0 if sync else config.staleness.max_ready_batches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +145,7 @@ class Forecast:
     lag: int  # trained_at - weights_version
     expected_wait_s: float  # batches * step_s
     p90_episode_s: float | None
-    reason: str  # "" (admissible), REFUSED_LAG or REFUSED_AGE
+    reason: str  # "" (admissible), REFUSED_LAG, REFUSED_READY or REFUSED_AGE
 
     @property
     def admitted(self) -> bool:
@@ -164,6 +177,9 @@ def decide(state: LearnerState, depth: int, in_flight: int, limits: AdmissionLim
     reason = ""
     if trained_at - weights_version > limits.max_policy_lag:
         reason = REFUSED_LAG
+    elif (limits.max_ready_batches and p90_episode_s is not None and state.step_s > 0
+          and wait_s > p90_episode_s + limits.max_ready_batches * state.step_s):
+        reason = REFUSED_READY
     elif (limits.max_age_s > 0 and p90_episode_s is not None
           and wait_s + p90_episode_s > limits.max_age_s):
         reason = REFUSED_AGE

@@ -58,8 +58,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 # KEYS: learner, handled, leases, actor set, stream(s) (every shard on this server). ARGV: stream
 # group, reserve ('1'|'0'), count, ttl_ms, weights_version, p90 ('' unknown), groups_per_batch,
-# publish_every, max_policy_lag, max_age_s, then depth and pending of shards on other servers
-# (read just before, outside the script), then `count` lease members. The rule is applied to the
+# publish_every, max_policy_lag, max_age_s, max_ready_batches, then depth and pending of shards on
+# other servers (read just before, outside the script), then `count` lease members. The rule is applied to the
 # groups one after another, each admitted one in flight for the next, up to the first refusal.
 # Returns {reason, version, since_publish, queued, depth, in_flight, step_s, admitted}: the state
 # read, the last decision's reason and how many leases were taken.
@@ -67,7 +67,7 @@ _DECIDE = _NOW + TRAINED_AT_LUA + """
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 local count = tonumber(ARGV[3])
 for k = 1, count do  -- this call's own, from an attempt whose reply was lost
-  redis.call('ZREM', KEYS[3], ARGV[12 + k])
+  redis.call('ZREM', KEYS[3], ARGV[13 + k])
 end
 local in_flight = redis.call('ZCARD', KEYS[3])
 local learner = redis.call('HMGET', KEYS[1], 'version', 'since_publish', 'step_s')
@@ -75,7 +75,7 @@ local version, since = tonumber(learner[1] or '0'), tonumber(learner[2] or '0')
 local step_text = learner[3] or '0'
 local handled = 0
 for _, n in ipairs(redis.call('HVALS', KEYS[2])) do handled = handled + tonumber(n) end
-local depth, pending = tonumber(ARGV[11] or '0'), tonumber(ARGV[12] or '0')
+local depth, pending = tonumber(ARGV[12] or '0'), tonumber(ARGV[13] or '0')
 for k = 5, #KEYS do
   local summary = redis.pcall('XPENDING', KEYS[k], ARGV[1])
   if not (type(summary) == 'table' and summary.err) then
@@ -85,6 +85,7 @@ for k = 5, #KEYS do
 end
 local queued = math.max(0, pending - handled)
 local max_age, ttl = tonumber(ARGV[10]), tonumber(ARGV[4])
+local max_ready, step_s = tonumber(ARGV[11]), tonumber(step_text)
 local reason, admitted = '', 0
 for k = 1, count do
   local ahead = queued + depth + in_flight + admitted + 1
@@ -92,20 +93,23 @@ for k = 1, count do
                                                  tonumber(ARGV[8]))
   if trained_at - tonumber(ARGV[5]) > tonumber(ARGV[9]) then
     reason = 'lag'
+  elseif max_ready > 0 and ARGV[6] ~= '' and step_s > 0 and
+      batches * step_s > tonumber(ARGV[6]) + max_ready * step_s then
+    reason = 'ready'
   elseif max_age > 0 and ARGV[6] ~= '' and
-      batches * tonumber(step_text) + tonumber(ARGV[6]) > max_age then
+      batches * step_s + tonumber(ARGV[6]) > max_age then
     reason = 'age'
   end
   if reason ~= '' or ARGV[2] ~= '1' then break end
-  redis.call('ZADD', KEYS[3], now + ttl, ARGV[12 + k])
-  redis.call('SADD', KEYS[4], ARGV[12 + k])
+  redis.call('ZADD', KEYS[3], now + ttl, ARGV[13 + k])
+  redis.call('SADD', KEYS[4], ARGV[13 + k])
   admitted = admitted + 1
 end
 if admitted > 0 then
   redis.call('PEXPIRE', KEYS[4], ttl)
 end
 for k = admitted + 1, count do
-  redis.call('SREM', KEYS[4], ARGV[12 + k])
+  redis.call('SREM', KEYS[4], ARGV[13 + k])
 end
 return {reason, version, since, queued, depth, in_flight, step_text, admitted}
 """
@@ -250,7 +254,8 @@ class RedisAdmission(Admission):
                   *self.stream_keys],
             args=[GROUP, "1" if reserve else "0", len(members), self._ttl_ms,
                   int(weights_version), p90, lim.groups_per_batch, lim.publish_every,
-                  lim.max_policy_lag, repr(float(lim.max_age_s)), int(remote[0]),
+                  lim.max_policy_lag, repr(float(lim.max_age_s)), lim.max_ready_batches,
+                  int(remote[0]),
                   int(remote[1]), *members])
         reason, version, since, queued, depth, in_flight, step_s, admitted = reply
         state = LearnerState(int(version), int(since), int(queued), float(_str(step_s)))

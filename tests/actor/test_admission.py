@@ -15,6 +15,7 @@ from headrace.buffer import MemoryBuffer, RedisBuffer
 from headrace.buffer.admission import (
     REFUSED_AGE,
     REFUSED_LAG,
+    REFUSED_READY,
     AdmissionError,
     AdmissionLimits,
     InProcessAdmission,
@@ -322,6 +323,31 @@ def test_max_age_refusal(harness, group_factory):
     off = harness.make(AdmissionLimits(2, 1, max_policy_lag=100))
     off.learner_update(version=0, since_publish=0, handled=0, step_s=2.0)
     assert off.try_admit("a", 0, p90_episode_s=1e6) is not None  # max_age_s=0: off
+
+
+def test_ready_cap_refusal(harness, group_factory):
+    # 2 groups a batch, a step of 1 s, a p90 episode of 3 s and a cap of 2 batches: a group is
+    # admitted while ceil(Q / 2) * 1 <= 3 + 2, Q <= 10, however loose the lag limit. (The Redis
+    # backend checks every decision of its script against the rule, `decide`.)
+    adm = harness.make(AdmissionLimits(2, 1, max_policy_lag=100, max_ready_batches=2))
+    adm.learner_update(version=0, since_publish=0, handled=0, step_s=1.0)
+    harness.buffer.put([group_factory(i) for i in range(3)], timeout_s=5)
+    assert len(adm.try_admit_many("a", 0, count=10, p90_episode_s=3.0)) == 7  # Q = 3 + 6 + 1
+    f = adm.forecast(0, p90_episode_s=3.0)
+    assert (f.queued_ahead, f.batches, f.lag, f.reason) == (11, 6, 5, REFUSED_READY)
+    assert adm.forecast(0, p90_episode_s=4.0).admitted  # 6 <= 4 + 2
+    assert adm.try_admit("a", 0, p90_episode_s=None) is not None  # no estimate yet: no cap
+    got = harness.buffer.get(3, timeout_s=5)  # read by the learner: still ahead until trained
+    assert len(got) == 3 and adm.forecast(0, p90_episode_s=3.0).reason == REFUSED_READY
+    adm.learner_update(version=1, since_publish=0, handled=3, step_s=1.0)  # Q = 0 + 8 + 1
+    assert adm.try_admit("a", 0, p90_episode_s=3.0) is not None
+    adm.learner_update(version=1, since_publish=0, handled=3, step_s=0.0)  # no step time: no cap
+    assert adm.try_admit("a", 0, p90_episode_s=3.0) is not None
+    off = harness.make(AdmissionLimits(2, 1, max_policy_lag=100))
+    off.learner_update(version=0, since_publish=0, handled=0, step_s=1.0)
+    assert off.try_admit("b", 0, p90_episode_s=0.0) is not None  # max_ready_batches=0: off
+    with pytest.raises(ValueError, match="max_ready_batches"):
+        AdmissionLimits(2, 1, 1, max_ready_batches=-1)
 
 
 @pytest.mark.timeout(15)
