@@ -238,7 +238,9 @@ def sim_spec(m: Measured, actors: int, envs_per_actor: int, duration_s: float,
                             groups_per_batch=c.learner.groups_per_batch,
                             publish_every=c.learner.publish_every, publish_s=fixed(m.publish_s),
                             prefetch=2),  # the reader queues 2 batches of groups ahead
-        staleness=StalenessSpec(max_policy_lag=lag, admission=c.run.mode == "async"))
+        staleness=StalenessSpec(
+            max_policy_lag=lag, admission=c.run.mode == "async",
+            max_ready_batches=c.staleness.max_ready_batches if c.run.mode == "async" else 0))
 
 
 def turn_cost_s(m: Measured) -> float:

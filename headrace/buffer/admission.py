@@ -64,7 +64,7 @@ import uuid
 from collections.abc import Callable
 
 from headrace.config import Config
-from headrace.versions import batches_for, trained_at_version
+from headrace.versions import batches_for, too_many_ready, trained_at_version
 
 _NAME = re.compile(r"^[\w.\-:]+$")
 REFUSED_LAG = "lag"  # the group would be trained more than max_policy_lag versions past the weights
@@ -177,8 +177,7 @@ def decide(state: LearnerState, depth: int, in_flight: int, limits: AdmissionLim
     reason = ""
     if trained_at - weights_version > limits.max_policy_lag:
         reason = REFUSED_LAG
-    elif (limits.max_ready_batches and p90_episode_s is not None and state.step_s > 0
-          and wait_s > p90_episode_s + limits.max_ready_batches * state.step_s):
+    elif too_many_ready(batches, state.step_s, p90_episode_s, limits.max_ready_batches):
         reason = REFUSED_READY
     elif (limits.max_age_s > 0 and p90_episode_s is not None
           and wait_s + p90_episode_s > limits.max_age_s):

@@ -93,7 +93,7 @@ for k = 1, count do
                                                  tonumber(ARGV[8]))
   if trained_at - tonumber(ARGV[5]) > tonumber(ARGV[9]) then
     reason = 'lag'
-  elseif max_ready > 0 and ARGV[6] ~= '' and step_s > 0 and
+  elseif max_ready > 0 and ARGV[6] ~= '' and step_s > 0 and  -- versions.too_many_ready
       batches * step_s > tonumber(ARGV[6]) + max_ready * step_s then
     reason = 'ready'
   elseif max_age > 0 and ARGV[6] ~= '' and

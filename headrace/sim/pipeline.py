@@ -21,7 +21,7 @@ import simpy
 from headrace.sim.actors import AggregatedGeneration, FineGeneration
 from headrace.sim.spec import BufferSpec, Sampler, SimSpec
 from headrace.sim.trace import GroupRecord, Trace, WeightTracker
-from headrace.versions import trained_at_version
+from headrace.versions import batches_for, too_many_ready, trained_at_version
 
 
 class Admission:
@@ -34,14 +34,21 @@ class Admission:
     weights version is at least that minus `max_policy_lag`. Waiting slots are served oldest request
     first among the actors whose weights allow it, whenever the forecast can have changed (a step
     done, a drop, a publish) or an actor picks up weights that would let it start (one timer).
-    With `admission: false` every request is granted at once. Cost: O(actors) numpy work per grant
-    while slots wait, nothing per idle actor.
+    With `max_ready_batches` it also applies the ready cap (`versions.too_many_ready`) with the
+    p90 of the last 4,096 groups' durations (the actors' episodes run in a group together;
+    recomputed at most once a simulated second, once 8 are known) and the mean learner step so
+    far. With `admission: false` every request is granted at once. Cost: O(actors) numpy work per
+    grant while slots wait, nothing per idle actor.
     """
 
     def __init__(self, env: simpy.Environment, spec: SimSpec, weights: WeightTracker):
         self.env = env
         self.enabled = spec.staleness.admission
         self.limit = spec.staleness.max_policy_lag
+        self.max_ready = spec.staleness.max_ready_batches
+        self._group_s: deque[float] = deque(maxlen=4096)
+        self._p90, self._p90_at = None, -math.inf
+        self._step_total = 0.0
         self.per_batch = spec.learner.groups_per_batch
         self.publish_every = spec.learner.publish_every
         self.weights = weights
@@ -58,11 +65,26 @@ class Admission:
         """Version a group with `queued` groups ahead of it (itself included) is trained at."""
         return trained_at_version(0, self.steps_done, queued, self.per_batch, self.publish_every)
 
-    def _need(self) -> int:
-        """The oldest weights version that may start a group now."""
+    def _need(self) -> float:
+        """The oldest weights version that may start a group now (inf: none may, the ready cap
+        refuses until a step is done)."""
         if not self.enabled:
             return -1
+        step_s = self._step_total / self.steps_done if self.steps_done else 0.0
+        if too_many_ready(batches_for(self.ahead + 1, self.per_batch), step_s, self._p90_s(),
+                          self.max_ready):
+            return math.inf
         return self.forecast(self.ahead + 1) - self.limit
+
+    def _p90_s(self) -> float | None:
+        now = self.env.now
+        if self.max_ready and now - self._p90_at >= 1.0 and len(self._group_s) >= 8:
+            self._p90, self._p90_at = float(np.quantile(np.fromiter(self._group_s, float), 0.9)), now
+        return self._p90
+
+    def finished(self, group_s: float) -> None:
+        """A group took `group_s` from its start to its last episode's end."""
+        self._group_s.append(group_s)
 
     def request(self, slot) -> simpy.Event:
         """An event that succeeds with the actor's weights version once the slot is admitted."""
@@ -84,8 +106,9 @@ class Admission:
         self.pump()
         return slot.grant
 
-    def step_done(self, trained: int) -> None:
+    def step_done(self, trained: int, step_s: float) -> None:
         self.steps_done += 1
+        self._step_total += step_s
         self.ahead -= trained
         self.pump()
 
@@ -260,6 +283,7 @@ class Pipeline:
             oldest, started = yield from self.generation.generate(slot.actor, version)
             record = GroupRecord(oldest, started)
             trace.group_s.append(env.now - record.started)
+            self.admission.finished(env.now - record.started)
             slot.state, slot.since = "put", env.now
             yield self.buffer.put(record)
             trace.wait("put", slot.since, env.now)
@@ -302,7 +326,7 @@ class Pipeline:
                 trace.trained_lag.append(version - record.oldest)
                 trace.trained_lag_gen.append(record.put_version - record.oldest)
                 trace.trained_age.append(now - record.started)
-            self.admission.step_done(len(batch))
+            self.admission.step_done(len(batch), duration)
             self._tokens.put(1)
             if (k + 1) % learner.publish_every == 0:
                 delay = publish_s()

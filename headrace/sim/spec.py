@@ -176,10 +176,13 @@ class LearnerSpec:
 class StalenessSpec:
     max_policy_lag: int = 4  # the learner's gate drops groups whose lag exceeds this
     admission: bool = True  # actors start a group only if its forecast lag is within the limit
+    max_ready_batches: int = 0  # admission's ready cap (0: off; `versions.too_many_ready`)
 
     def __post_init__(self):
         _check(self.max_policy_lag >= 0, "staleness.max_policy_lag", self.max_policy_lag,
                "must be >= 0")
+        _check(self.max_ready_batches >= 0, "staleness.max_ready_batches",
+               self.max_ready_batches, "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -132,7 +132,7 @@ def test_admission_admits_exactly_up_to_the_lag_limit(pickup):
     grants = [admission.request(_Slot(i % 3)) for i in range(8)]
     # Trained at version (0 + ceil(Q / 2) - 1) // 1 <= 0 + 1  <=>  Q <= 4 groups ahead.
     assert [g.triggered for g in grants] == [True] * 4 + [False] * 4
-    admission.step_done(2)  # learner at step 1, version 0 until it publishes: none may start
+    admission.step_done(2, 1.0)  # learner at step 1, version 0 until it publishes: none may start
     assert sum(g.triggered for g in grants) == 4
     weights.publish(env.now)
     admission.pump()
@@ -140,6 +140,26 @@ def test_admission_admits_exactly_up_to_the_lag_limit(pickup):
     assert sum(g.triggered for g in grants) == 6  # Q <= 4 again, with version 1 held
     assert [g.value for g in grants if g.triggered][-2:] == [1, 1]
     assert admission.ahead == 4  # 6 admitted, 2 trained
+
+
+def test_admission_ready_cap_follows_group_time_over_step_time():
+    # The same rule as the real admission (`versions.too_many_ready`): with a step of 1 s, groups
+    # of 3 s (p90) and a cap of 1 batch, a group starts while ceil(Q / 2) * 1 <= 3 + 1, Q <= 8.
+    spec = spec_of(learner={"groups_per_batch": 2, "publish_every": 1},
+                   staleness={"max_policy_lag": 100, "max_ready_batches": 1}, actors={"count": 2})
+    env = simpy.Environment()
+    weights = WeightTracker(2, Dist(kind="fixed", value=0.0), np.random.default_rng(0))
+    admission = Admission(env, spec, weights)
+    grants = [admission.request(_Slot(i % 2)) for i in range(14)]
+    assert all(g.triggered for g in grants)  # no step or group timed yet: the lag limit alone
+    for _ in range(8):
+        admission.finished(3.0)
+    admission.step_done(2, 1.0)  # 12 ahead: ceil(13 / 2) = 7 > 4
+    more = [admission.request(_Slot(0)) for _ in range(3)]
+    assert not any(g.triggered for g in more)
+    for _ in range(3):
+        admission.step_done(2, 1.0)  # 6 ahead: the 7th and 8th may start, not the 9th
+    assert [g.triggered for g in more] == [True, True, False]
 
 
 def test_inference_calibration_is_exact_for_synchronised_groups():
