@@ -124,7 +124,7 @@ class StalenessConfig:
     max_policy_lag: int = 4  # groups whose lag exceeds this many versions are dropped
     max_age_s: float = 0.0  # groups older than this (seconds since start) are dropped (0: off)
     forced_lag: int = 0  # experiments: actors act with weights this many versions old
-    max_ready_batches: int = 0  # admission waits while this many batches await the learner (0: off)
+    max_ready_batches: int = 0  # admit while at most this many batches would be ahead when done
 
     def __post_init__(self):
         _check(self.max_policy_lag >= 0, "staleness.max_policy_lag", self.max_policy_lag,

@@ -330,8 +330,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the staleness limit of sync and async (default: the smallest that "
                              "admits the in-flight groups Little's law calls for)")
     parser.add_argument("--max-ready-batches", type=int, default=0,
-                        help="staleness.max_ready_batches of async: no group starts while this "
-                             "many batches wait for the learner (default 0: off)")
+                        help="staleness.max_ready_batches of async: a group starts only if at "
+                             "most this many batches would be ahead of it when done (default 0: "
+                             "off)")
     parser.add_argument("--prefill-groups", type=int, default=8192)
     parser.add_argument("--eval-every", type=int, default=None,
                         help="learner steps between greedy evaluations (run.eval_every; default "

@@ -59,8 +59,9 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # KEYS: learner, handled, leases, actor set, stream(s) (every shard on this server). ARGV: stream
 # group, reserve ('1'|'0'), count, ttl_ms, weights_version, p90 ('' unknown), groups_per_batch,
 # publish_every, max_policy_lag, max_age_s, max_ready_batches, then depth and pending of shards on
-# other servers (read just before, outside the script), then `count` lease members. The rule is applied to the
-# groups one after another, each admitted one in flight for the next, up to the first refusal.
+# other servers (read just before, outside the script), then `count` lease members. The rule is
+# applied to the groups one after another, each admitted one in flight for the next, up to the
+# first refusal.
 # Returns {reason, version, since_publish, queued, depth, in_flight, step_s, admitted}: the state
 # read, the last decision's reason and how many leases were taken.
 _DECIDE = _NOW + TRAINED_AT_LUA + """
@@ -255,8 +256,7 @@ class RedisAdmission(Admission):
             args=[GROUP, "1" if reserve else "0", len(members), self._ttl_ms,
                   int(weights_version), p90, lim.groups_per_batch, lim.publish_every,
                   lim.max_policy_lag, repr(float(lim.max_age_s)), lim.max_ready_batches,
-                  int(remote[0]),
-                  int(remote[1]), *members])
+                  int(remote[0]), int(remote[1]), *members])
         reason, version, since, queued, depth, in_flight, step_s, admitted = reply
         state = LearnerState(int(version), int(since), int(queued), float(_str(step_s)))
         return _str(reason), state, int(depth), int(in_flight), int(admitted)
