@@ -292,7 +292,8 @@ class Chaos:
         elif kind == "redis":
             self.wait(run, "a redis-server", lambda: len(redis_pids(self.run_dir)) == 1, 60)
             step = learner_step(self.run_dir)
-            os.kill(redis_pids(self.run_dir).pop(), signal.SIGKILL)
+            killed = redis_pids(self.run_dir).pop()
+            os.kill(killed, signal.SIGKILL)
         else:
             step = learner_step(self.run_dir)
             run.kill_tree()
@@ -309,8 +310,12 @@ class Chaos:
         target = step + 2  # the run goes on: it trains two more steps (with a new actor)
 
         def recovered() -> bool:
-            actor = run.child("actor-0")
-            return run.step() >= target and actor not in (None, killed)
+            # `step` may be a record behind the learner, so the steps alone can look trained
+            # before a killed server is back: the check below pauses the whole run, supervisor
+            # included, and would find no server and leave none restarted.
+            actor, servers = run.child("actor-0"), redis_pids(self.run_dir)
+            return (run.step() >= target and actor not in (None, killed)
+                    and len(servers) == 1 and killed not in servers)
 
         self.wait(run, f"training after the {kind} fault", recovered, 180)
         self.record(kind, check(self.run_dir, run), step)

@@ -103,8 +103,7 @@ def base_config(args, run_dir: pathlib.Path) -> dict:
                     "optimizer": {"lr": args.lr, "clip_norm": 1.0},
                     "loss": {"kind": args.loss}},
         "shapes": {"buckets": [4, 8, 12]},
-        "staleness": {"max_policy_lag": args.max_policy_lag or 4,
-                      "max_ready_batches": args.max_ready_batches},
+        "staleness": {"max_policy_lag": args.max_policy_lag or 4},
     }
 
 
@@ -397,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         # its whole length; a large turn is served by several calls instead.
         async_data["actor"]["envs_per_actor"] = 8 * slots
         async_data["buffer"]["capacity"] = capacity
+        async_data["staleness"]["max_ready_batches"] = args.max_ready_batches
         result_async = way(args, "async", async_data, root, args.seeds, updates)
         sync_data = base_config(args, root / "sync")
         sync_data["run"]["mode"] = "sync"
