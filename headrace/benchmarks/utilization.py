@@ -43,10 +43,12 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 
 from headrace import benchlib
 from headrace.audit.audit import admitting_limits, warmup_allowance_s
 from headrace.benchmarks._curves import compare, lag_figures, mean_curve, sync_rise, time_to_target
+from headrace.config import LossConfig, load
 from headrace.metrics.records import read_records
 
 # Learning inside the bench: the greedy evaluation target, the seeds each curve point is the mean
@@ -144,7 +146,6 @@ def read_run(run_dir: pathlib.Path, start: float, updates_per_version: int = 1) 
 
 
 def run_training(data: dict, updates_per_version: int = 1) -> dict:
-    from headrace.config import load
     from headrace.runtime import train
 
     start = time.time()
@@ -160,7 +161,6 @@ def run_training(data: dict, updates_per_version: int = 1) -> dict:
 def learner_alone(args, run_dir: pathlib.Path) -> dict:
     """The learner process alone, over a buffer pre-filled by a real actor (no env latency)."""
     from headrace.buffer.server import RedisServer
-    from headrace.config import load
     from headrace.metrics.core import Metrics
     from headrace.metrics.remote import read as read_metrics
     from headrace.runtime import build
@@ -276,6 +276,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
                         help="guess_number's env.kwargs.max_turns: guesses per episode")
     parser.add_argument("--lr", type=float, default=1e-3, help="learner.optimizer.lr")
     parser.add_argument("--loss", default="ppo_clip",
+                        choices=typing.get_args(typing.get_type_hints(LossConfig)["kind"]),
                         help="learner.loss.kind (the off-policy correction)")
 
 
@@ -329,9 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the staleness limit of sync and async (default: the smallest that "
                              "admits the in-flight groups Little's law calls for)")
     parser.add_argument("--max-ready-batches", type=int, default=0,
-                        help="staleness.max_ready_batches of async: a group starts only if at "
-                             "most this many batches would be ahead of it when done (default 0: "
-                             "off)")
+                        help="staleness.max_ready_batches of async: admit a group only if at "
+                             "most this many batches will be ahead of it when done (0: off)")
     parser.add_argument("--prefill-groups", type=int, default=8192)
     parser.add_argument("--eval-every", type=int, default=None,
                         help="learner steps between greedy evaluations (run.eval_every; default "
@@ -363,13 +363,6 @@ def main(argv: list[str] | None = None) -> int:
             or args.secrets < 2 or min(args.env_latency, args.max_ready_batches) < 0:
         parser.error("--epochs, --groups-per-batch, --seeds, --eval-every and --max-turns must "
                      "be >= 1, --secrets >= 2, --env-latency and --max-ready-batches >= 0")
-    import typing
-
-    from headrace.config import LossConfig
-
-    kinds = typing.get_args(typing.get_type_hints(LossConfig)["kind"])
-    if args.loss not in kinds:
-        parser.error(f"--loss {args.loss}: one of {', '.join(kinds)}")
     if len(os.sched_getaffinity(0)) >= 2:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[1:])  # core 0 is the learner's
     updates = args.epochs  # optimizer updates per learner step (and version: publish_every 1)

@@ -70,15 +70,16 @@ class Admission:
         refuses until a step is done)."""
         if not self.enabled:
             return -1
-        step_s = self._step_total / self.steps_done if self.steps_done else 0.0
-        if too_many_ready(batches_for(self.ahead + 1, self.per_batch), step_s, self._p90_s(),
-                          self.max_ready):
-            return math.inf
+        if self.max_ready and too_many_ready(
+                batches_for(self.ahead + 1, self.per_batch),
+                self._step_total / self.steps_done if self.steps_done else 0.0, self._p90_s(),
+                self.max_ready):
+            return math.inf  # only with the cap on: `_need` runs for every grant
         return self.forecast(self.ahead + 1) - self.limit
 
     def _p90_s(self) -> float | None:
         now = self.env.now
-        if self.max_ready and now - self._p90_at >= 1.0 and len(self._group_s) >= 8:
+        if now - self._p90_at >= 1.0 and len(self._group_s) >= 8:
             self._p90, self._p90_at = float(np.quantile(np.fromiter(self._group_s, float), 0.9)), now
         return self._p90
 
