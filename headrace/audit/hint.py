@@ -20,7 +20,7 @@ def sizing_hint(snapshot: dict[str, float], config: Config) -> str:
     """One line for the live view, or "" when the learner is fed (or too little is measured)."""
     util = snapshot.get("learner/utilization")
     step_s = snapshot.get("learner/step_s_p50")
-    group_s = snapshot.get("trace/generate_s_mean") or snapshot.get("actor/episode_s_p90")
+    group_s = snapshot.get("trace/generate_s_mean") or snapshot.get("actor/group_s_p90")
     if util is None or not step_s or not group_s or util >= TARGET \
             or snapshot.get("learner/step", 0) < 5:
         return ""

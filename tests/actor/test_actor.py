@@ -3,6 +3,7 @@
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from headrace.buffer.admission import AdmissionLimits, InProcessAdmission
@@ -76,12 +77,13 @@ class CountingAdmission(InProcessAdmission):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.calls, self.most = 0, 0
+        self.calls, self.most, self.p90s = 0, 0, []
 
-    def _decide(self, actor_id, weights_version, p90_episode_s, reserve, count=1):
+    def _decide(self, actor_id, weights_version, p90_group_s, reserve, count=1):
         self.calls += 1
         self.most = max(self.most, count)
-        return super()._decide(actor_id, weights_version, p90_episode_s, reserve, count)
+        self.p90s.append(p90_group_s)
+        return super()._decide(actor_id, weights_version, p90_group_s, reserve, count)
 
 
 @pytest.mark.timeout(120)
@@ -118,6 +120,10 @@ def test_waiting_slots_queue_and_only_the_first_polls_admission():
         admission.learner_update(version=0, since_publish=0, handled=0, step_s=0.1)
         while buffer.depth() < 4 and time.monotonic() < deadline + 60:
             time.sleep(0.05)
+        # Once 8 groups are timed the polls carry their p90 (the limit stops admission at 128
+        # groups: 2 batches of 64; the head keeps polling).
+        while admission.p90s[-1] is None and time.monotonic() < deadline + 120:
+            time.sleep(0.05)
     finally:
         stop.set()
         thread.join(timeout=30)
@@ -127,6 +133,14 @@ def test_waiting_slots_queue_and_only_the_first_polls_admission():
     assert 5 <= polls <= 60 * elapsed, (polls, elapsed)
     assert buffer.depth() >= 4 and admission.most == 32  # every slot was queued behind the head
     assert admission.in_flight() == 0  # leases released after their puts, spare ones at the stop
+    # Every written group is timed for admission's p90 (admitted to written), and no other; the
+    # p90 admission was given is that of the groups timed by then.
+    group_s = list(metrics.distribution("actor/group_s")._values)
+    assert len(group_s) == buffer.depth()
+    given = [p for p in admission.p90s if p is not None]
+    assert given, "no p90 reached admission"
+    prefixes = [np.quantile(group_s[:n], 0.9) for n in range(8, len(group_s) + 1)]
+    assert all(min(abs(p - q) for q in prefixes) < 1e-12 for p in given), (given[-1], prefixes[-1])
 
 
 def test_kept_caches_too_large_for_memory_are_a_config_error():

@@ -220,7 +220,7 @@ def test_inference_fit_and_pool_split():
 
 def test_sizing_hint_speaks_only_when_the_learner_waits(tmp_path):
     config = tiny(tmp_path)
-    fed = {"learner/utilization": 0.99, "learner/step_s_p50": 0.2, "actor/episode_s_p90": 5.0,
+    fed = {"learner/utilization": 0.99, "learner/step_s_p50": 0.2, "actor/group_s_p90": 5.0,
            "learner/step": 50}
     assert sizing_hint(fed, config) == ""
     starved = {**fed, "learner/utilization": 0.3}
