@@ -19,15 +19,15 @@ def batches_for(queued_ahead: int, groups_per_batch: int) -> int:
     return -(-queued_ahead // groups_per_batch)
 
 
-def too_many_ready(batches_ahead: int, step_s: float, p90_group_s: float | None,
+def too_many_ready(batches_ahead: int, step_s: float, p90_episode_s: float | None,
                    max_ready_batches: int) -> bool:
     """The ready cap (`staleness.max_ready_batches`): True when a group `batches_ahead` batches
     from training, started now, would still find more than `max_ready_batches` batches ahead of it
-    once done (`batches_ahead * step_s > p90_group_s + max_ready_batches * step_s`); False when
+    once done (`batches_ahead * step_s > p90_episode_s + max_ready_batches * step_s`); False when
     the cap is off (0) or either time is unknown (None, or a step time of 0). Admission, its Redis
     script and the simulator apply it the same way."""
-    return bool(max_ready_batches and p90_group_s is not None and step_s > 0
-                and batches_ahead * step_s > p90_group_s + max_ready_batches * step_s)
+    return bool(max_ready_batches and p90_episode_s is not None and step_s > 0
+                and batches_ahead * step_s > p90_episode_s + max_ready_batches * step_s)
 
 
 def trained_at(version: int, since_publish: int, batches_ahead: int, publish_every: int) -> int:

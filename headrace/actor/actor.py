@@ -88,7 +88,7 @@ class Actor:
         self._admit_turn: asyncio.Lock | None = None
         self._admit_queued = 0  # slots waiting for their turn to be admitted
         self._leases = collections.deque()  # admitted for slots still queued (`_admit`)
-        self._p90, self._p90_at = None, float("-inf")  # group-time p90 for admission, cached
+        self._p90, self._p90_at = None, float("-inf")  # episode-time p90 for admission, cached
         self._puts: asyncio.Semaphore | None = None
         self._started = time.monotonic()
         self.discarded = 0  # environments abandoned to a timed-out call (`_replace`)
@@ -201,7 +201,7 @@ class Actor:
                 self._record(results)
                 with policy.stepping_away():
                     released = await self._put(group, lease)
-                if released:  # admission's forecast: from admitted to written, slowest episode included
+                if released:  # admitted to written: the sizing hint's time in the pipeline (Little's law)
                     self.metrics.observe("actor/group_s", time.monotonic() - admitted)
             finally:
                 self._in_flight -= 1
@@ -264,10 +264,10 @@ class Actor:
             self._sync.refresh(raise_error=False)
             return self.sampler.version
 
-        def p90_group_s() -> float | None:  # a quantile costs a sort: once a second is enough
+        def p90_episode_s() -> float | None:  # a quantile costs a sort: once a second is enough
             now = time.monotonic()
             if now - self._p90_at >= 1.0:
-                dist = self.metrics.distribution("actor/group_s")
+                dist = self.metrics.distribution("actor/episode_s")
                 self._p90 = (dist.quantiles((0.9,))[0] if dist is not None and dist.count >= 8
                              else None)
                 self._p90_at = now
@@ -283,7 +283,7 @@ class Actor:
                 else:
                     admitted = await wait_admit(
                         self.admission, self.actor_id, weights_version, stop=self.stop,
-                        p90_group_s=p90_group_s, poll_s=0.005, max_poll_s=0.05,
+                        p90_episode_s=p90_episode_s, poll_s=0.005, max_poll_s=0.05,
                         count=lambda: 1 + self._admit_queued)
                     lease = admitted.lease
                     self._leases.extend(admitted.more)

@@ -9,15 +9,14 @@ learner step and a publish every `publish_every` steps, the new group is trained
     trained_at = v + floor((s + ceil(Q / groups_per_batch) - 1) / publish_every)
 
 and an actor holding weights `v_a` may start it when `trained_at - v_a <= max_policy_lag`. When
-`max_age_s` is set and the actor knows its p90 group time (from admission until the group is
-written, so the group's slowest episode), admission also requires
-`ceil(Q / groups_per_batch) * step_s + p90_group_s <= max_age_s` (the learner's gate drops groups
-older than `max_age_s`; `step_s` is the median of the learner's recent step times). When
-`max_ready_batches` is set, and the p90 group time and `step_s` are known, admission also requires
-`ceil(Q / groups_per_batch) * step_s <= p90_group_s + max_ready_batches * step_s`: when the new
+`max_age_s` is set and the actor knows its p90 episode time, admission also requires
+`ceil(Q / groups_per_batch) * step_s + p90_episode_s <= max_age_s` (the learner's gate drops groups
+older than `max_age_s`; `step_s` is the learner's recent time per step). When `max_ready_batches` is
+set, and the p90 episode time and `step_s` are known, admission also requires
+`ceil(Q / groups_per_batch) * step_s <= p90_episode_s + max_ready_batches * step_s`: when the new
 group is done, at most `max_ready_batches` batches are still ahead of it. The lag limit alone caps
 what is in flight plus what is ready, so a pool larger than the learner needs fills that window to
-the limit and its surplus waits in the queue, aging; this cap follows the group time in learner
+the limit and its surplus waits in the queue, aging; this cap follows the episode time in learner
 steps instead (L/S), so groups train at about L/S + `max_ready_batches` versions and the surplus
 waits unstarted. It counts the groups in flight, so it reacts at once: a cap on the finished groups
 alone would react an episode late and swing between a flooded and an empty queue (measured).
@@ -69,7 +68,7 @@ from headrace.versions import batches_for, too_many_ready, trained_at_version
 
 _NAME = re.compile(r"^[\w.\-:]+$")
 REFUSED_LAG = "lag"  # the group would be trained more than max_policy_lag versions past the weights
-REFUSED_AGE = "age"  # expected wait + p90 group time would exceed max_age_s
+REFUSED_AGE = "age"  # expected wait + p90 episode time would exceed max_age_s
 REFUSED_READY = "ready"  # more than max_ready_batches batches would be ahead when it is done
 
 
@@ -95,7 +94,7 @@ class AdmissionLimits:
     groups_per_batch: int  # groups one learner step consumes
     publish_every: int  # learner steps between weight publishes
     max_policy_lag: int  # largest admissible trained_at - weights version
-    max_age_s: float = 0.0  # largest admissible expected wait + p90 group time (0: off)
+    max_age_s: float = 0.0  # largest admissible expected wait + p90 episode time (0: off)
     max_ready_batches: int = 0  # most batches ahead of a group when it is done (0: off)
 
     def __post_init__(self):
@@ -145,7 +144,7 @@ class Forecast:
     weights_version: int
     lag: int  # trained_at - weights_version
     expected_wait_s: float  # batches * step_s
-    p90_group_s: float | None
+    p90_episode_s: float | None
     reason: str  # "" (admissible), REFUSED_LAG, REFUSED_READY or REFUSED_AGE
 
     @property
@@ -168,7 +167,7 @@ class Lease:
 
 
 def decide(state: LearnerState, depth: int, in_flight: int, limits: AdmissionLimits,
-           weights_version: int, p90_group_s: float | None) -> Forecast:
+           weights_version: int, p90_episode_s: float | None) -> Forecast:
     """The admission rule as a pure function (the Redis script mirrors it; tests compare them)."""
     ahead = state.queued + depth + in_flight + 1
     batches = batches_for(ahead, limits.groups_per_batch)
@@ -178,28 +177,28 @@ def decide(state: LearnerState, depth: int, in_flight: int, limits: AdmissionLim
     reason = ""
     if trained_at - weights_version > limits.max_policy_lag:
         reason = REFUSED_LAG
-    elif too_many_ready(batches, state.step_s, p90_group_s, limits.max_ready_batches):
+    elif too_many_ready(batches, state.step_s, p90_episode_s, limits.max_ready_batches):
         reason = REFUSED_READY
-    elif (limits.max_age_s > 0 and p90_group_s is not None
-          and wait_s + p90_group_s > limits.max_age_s):
+    elif (limits.max_age_s > 0 and p90_episode_s is not None
+          and wait_s + p90_episode_s > limits.max_age_s):
         reason = REFUSED_AGE
     return Forecast(state.version, state.since_publish, state.queued, depth, in_flight, ahead,
                     batches, trained_at, weights_version, trained_at - weights_version, wait_s,
-                    p90_group_s, reason)
+                    p90_episode_s, reason)
 
 
 def grant(actor_id: str, state: LearnerState, depth: int, in_flight: int,
-          limits: AdmissionLimits, weights_version: int, p90_group_s: float | None,
+          limits: AdmissionLimits, weights_version: int, p90_episode_s: float | None,
           lease_ids: list[str]) -> tuple[Forecast, list[Lease]]:
     """The rule applied to `len(lease_ids)` groups in turn, each admitted one in flight for the
     next, up to the first refusal: the leases of the admitted ones and the last decision's
     forecast (with no ids: the forecast for one group, and no lease). Admission is monotone in
     the groups ahead, so no group after a refusal could be admitted."""
-    forecast, leases = decide(state, depth, in_flight, limits, weights_version, p90_group_s), []
+    forecast, leases = decide(state, depth, in_flight, limits, weights_version, p90_episode_s), []
     for lease_id in lease_ids:
         if leases:
             forecast = decide(state, depth, in_flight + len(leases), limits, weights_version,
-                              p90_group_s)
+                              p90_episode_s)
         if not forecast.admitted:
             break
         leases.append(Lease(lease_id, actor_id, weights_version, forecast.trained_at,
@@ -241,7 +240,7 @@ class Admission(abc.ABC):
         """
 
     @abc.abstractmethod
-    def _decide(self, actor_id: str, weights_version: int, p90_group_s: float | None,
+    def _decide(self, actor_id: str, weights_version: int, p90_episode_s: float | None,
                 reserve: bool, count: int = 1) -> tuple[Forecast, list[Lease]]:
         """Forecasts, and when `reserve` takes a lease for each of up to `count` groups that
         are admissible in turn (`grant`), in one atomic step."""
@@ -266,39 +265,38 @@ class Admission(abc.ABC):
         """Releases connections; leases stay until released or expired."""
 
     def try_admit(self, actor_id: str, weights_version: int,
-                  p90_group_s: float | None = None) -> Lease | None:
+                  p90_episode_s: float | None = None) -> Lease | None:
         """A lease when a group started now with weights `weights_version` is admissible, else None.
 
-        `p90_group_s` (None: not known yet) enables the `max_age_s` and `max_ready_batches`
-        checks.
+        `p90_episode_s` (None: not known yet) enables the `max_age_s` check.
         Raises:
           ValueError: `actor_id` is not a name, or a number is negative.
           AdmissionError: the store is unreachable (Redis backend).
         """
-        leases = self.try_admit_many(actor_id, weights_version, 1, p90_group_s)
+        leases = self.try_admit_many(actor_id, weights_version, 1, p90_episode_s)
         return leases[0] if leases else None
 
     def try_admit_many(self, actor_id: str, weights_version: int, count: int,
-                       p90_group_s: float | None = None) -> list[Lease]:
+                       p90_episode_s: float | None = None) -> list[Lease]:
         """Leases for up to `count` groups started now with weights `weights_version`: as many
         as are admissible one after another (the first refusal ends it), in one atomic step (one
         round trip for the Redis backend). Raises as `try_admit`, and ValueError for a count < 1.
         """
         check_name("actor_id", actor_id)
-        _check_request(weights_version, p90_group_s)
+        _check_request(weights_version, p90_episode_s)
         if count < 1:
             raise ValueError(f"count={count}: must be >= 1")
-        return self._decide(actor_id, weights_version, p90_group_s, True, count)[1]
+        return self._decide(actor_id, weights_version, p90_episode_s, True, count)[1]
 
-    def forecast(self, weights_version: int, p90_group_s: float | None = None) -> Forecast:
+    def forecast(self, weights_version: int, p90_episode_s: float | None = None) -> Forecast:
         """What `try_admit` would decide now, without reserving anything."""
-        _check_request(weights_version, p90_group_s)
-        return self._decide("forecast", weights_version, p90_group_s, False)[0]
+        _check_request(weights_version, p90_episode_s)
+        return self._decide("forecast", weights_version, p90_episode_s, False)[0]
 
 
-def _check_request(weights_version: int, p90_group_s: float | None) -> None:
-    if weights_version < 0 or (p90_group_s is not None and not p90_group_s >= 0):
-        raise ValueError(f"weights_version={weights_version}, p90_group_s={p90_group_s}: "
+def _check_request(weights_version: int, p90_episode_s: float | None) -> None:
+    if weights_version < 0 or (p90_episode_s is not None and not p90_episode_s >= 0):
+        raise ValueError(f"weights_version={weights_version}, p90_episode_s={p90_episode_s}: "
                          "must be >= 0")
 
 
@@ -350,14 +348,14 @@ class InProcessAdmission(Admission):
         with self._lock:
             return self._read()[0]
 
-    def _decide(self, actor_id: str, weights_version: int, p90_group_s: float | None,
+    def _decide(self, actor_id: str, weights_version: int, p90_episode_s: float | None,
                 reserve: bool, count: int = 1) -> tuple[Forecast, list[Lease]]:
         ids = [new_lease_id(actor_id) for _ in range(count)] if reserve else []
         with self._lock:
             now = self._expire()
             state, depth = self._read()
             forecast, leases = grant(actor_id, state, depth, len(self._leases), self.limits,
-                                     weights_version, p90_group_s, ids)
+                                     weights_version, p90_episode_s, ids)
             for lease in leases:
                 self._leases[lease.lease_id] = (actor_id, now + self.lease_ttl_s)
         return forecast, leases

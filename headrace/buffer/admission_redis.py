@@ -242,11 +242,11 @@ class RedisAdmission(Admission):
 
         self._call("learner_update", write)
 
-    def _script(self, actor_id: str, weights_version: int, p90_group_s: float | None,
+    def _script(self, actor_id: str, weights_version: int, p90_episode_s: float | None,
                 reserve: bool, members: list[str]) -> tuple[str, LearnerState, int, int, int]:
         """Runs the decision script for `len(members)` groups: (the last decision's reason, the
         learner state, depth, in flight before this call, leases taken)."""
-        p90 = "" if p90_group_s is None else repr(float(p90_group_s))
+        p90 = "" if p90_episode_s is None else repr(float(p90_episode_s))
         lim = self.limits
         remote = self._remote_counts() if self._remote_counts is not None else (0, 0)
         reply = self._call(
@@ -261,13 +261,13 @@ class RedisAdmission(Admission):
         state = LearnerState(int(version), int(since), int(queued), float(_str(step_s)))
         return _str(reason), state, int(depth), int(in_flight), int(admitted)
 
-    def _decide(self, actor_id: str, weights_version: int, p90_group_s: float | None,
+    def _decide(self, actor_id: str, weights_version: int, p90_episode_s: float | None,
                 reserve: bool, count: int = 1) -> tuple[Forecast, list[Lease]]:
         members = [new_lease_id(actor_id) for _ in range(count if reserve else 1)]
         reason, state, depth, in_flight, admitted = self._script(
-            actor_id, weights_version, p90_group_s, reserve, members)
+            actor_id, weights_version, p90_episode_s, reserve, members)
         forecast, leases = grant(actor_id, state, depth, in_flight, self.limits, weights_version,
-                                 p90_group_s, members if reserve else [])
+                                 p90_episode_s, members if reserve else [])
         if forecast.reason != reason or len(leases) != admitted:  # script and rule must agree
             raise AdmissionError(f"admission script decided {reason!r} with {admitted} leases "
                                  f"but the rule says {forecast.reason!r} with {len(leases)} for "

@@ -32,7 +32,7 @@ class _Waiter:
 
     def __init__(self, admission: Admission, actor_id: str,
                  weights_version: int | Callable[[], int],
-                 p90_group_s: float | None | Callable[[], float | None],
+                 p90_episode_s: float | None | Callable[[], float | None],
                  poll_s: float, max_poll_s: float, timeout_s: float | None,
                  count: int | Callable[[], int] = 1):
         if not 0 < poll_s <= max_poll_s:
@@ -41,7 +41,7 @@ class _Waiter:
         check_name("actor_id", actor_id)
         self.admission, self.actor_id = admission, actor_id
         self._version = weights_version if callable(weights_version) else lambda: weights_version
-        self._p90 = p90_group_s if callable(p90_group_s) else lambda: p90_group_s
+        self._p90 = p90_episode_s if callable(p90_episode_s) else lambda: p90_episode_s
         self._count = count if callable(count) else lambda: count
         self._delay, self._max_poll_s = poll_s, max_poll_s
         self.start = time.monotonic()
@@ -69,18 +69,18 @@ class _Waiter:
 
 
 def admit(admission: Admission, actor_id: str, weights_version: int | Callable[[], int], *,
-          stop: threading.Event, p90_group_s: float | None | Callable[[], float | None] = None,
+          stop: threading.Event, p90_episode_s: float | None | Callable[[], float | None] = None,
           poll_s: float = 0.05, max_poll_s: float = 0.5,
           timeout_s: float | None = None) -> Admitted:
     """Blocks until admitted, `stop` is set or `timeout_s` passes.
 
     Polls `try_admit`, the interval doubling from `poll_s` to `max_poll_s`; `weights_version` and
-    `p90_group_s` may be callables, re-read on every attempt (the actor may pick up newer weights
+    `p90_episode_s` may be callables, re-read on every attempt (the actor may pick up newer weights
     while it waits). A stop wakes the wait at once.
     Raises:
       AdmissionError: the store became unreachable.
     """
-    waiter = _Waiter(admission, actor_id, weights_version, p90_group_s, poll_s, max_poll_s,
+    waiter = _Waiter(admission, actor_id, weights_version, p90_episode_s, poll_s, max_poll_s,
                      timeout_s)
     while not stop.is_set():
         result = waiter.attempt()
@@ -92,7 +92,7 @@ def admit(admission: Admission, actor_id: str, weights_version: int | Callable[[
 
 async def wait_admit(admission: Admission, actor_id: str,
                      weights_version: int | Callable[[], int], *, stop: threading.Event,
-                     p90_group_s: float | None | Callable[[], float | None] = None,
+                     p90_episode_s: float | None | Callable[[], float | None] = None,
                      poll_s: float = 0.05, max_poll_s: float = 0.5,
                      timeout_s: float | None = None,
                      count: int | Callable[[], int] = 1) -> Admitted:
@@ -100,7 +100,7 @@ async def wait_admit(admission: Admission, actor_id: str,
     `max_poll_s`). Each attempt is one short blocking store call (a Redis round trip) that asks
     for `count` leases (a callable: re-read on every attempt): once one is admissible it returns
     the first as `lease` and any others as `more`."""
-    waiter = _Waiter(admission, actor_id, weights_version, p90_group_s, poll_s, max_poll_s,
+    waiter = _Waiter(admission, actor_id, weights_version, p90_episode_s, poll_s, max_poll_s,
                      timeout_s, count)
     while not stop.is_set():
         result = waiter.attempt()

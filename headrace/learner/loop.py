@@ -202,14 +202,13 @@ class Learner:
     def _report_state(self) -> None:
         """Tells admission control where the learner is: version, steps since publish, and the
         entries handled but not yet acknowledged (admission counts the rest of the buffer's
-        pending entries as this learner's queue), and the median of its recent step times (a
-        median, so the few steps that compiled do not count). Only the training thread reports,
-        so reports stay in order."""
+        pending entries as this learner's queue). Only the training thread reports, so reports
+        stay in order."""
         if self.admission is not None:  # each learner process reports its own
             step_s = self.metrics.distribution("learner/step_s")
             self.admission.learner_update(self.version, self._since_publish,
                                           len(self.book.unacked),
-                                          step_s.quantiles((0.5,))[0] if step_s is not None else 0.0,
+                                          step_s.mean() if step_s is not None else 0.0,
                                           host=str(jax.process_index()))
 
     @property

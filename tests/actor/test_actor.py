@@ -79,14 +79,14 @@ class CountingAdmission(InProcessAdmission):
         super().__init__(*args, **kwargs)
         self.calls, self.most, self.p90s = 0, 0, []
 
-    def _decide(self, actor_id, weights_version, p90_group_s, reserve, count=1):
+    def _decide(self, actor_id, weights_version, p90_episode_s, reserve, count=1):
         self.calls += 1
         self.most = max(self.most, count)
-        self.p90s.append(p90_group_s)
-        return super()._decide(actor_id, weights_version, p90_group_s, reserve, count)
+        self.p90s.append(p90_episode_s)
+        return super()._decide(actor_id, weights_version, p90_episode_s, reserve, count)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_waiting_slots_queue_and_only_the_first_polls_admission():
     """Refused slots wait their turn: the actor's polls are one waiter's, not one per slot."""
     config = load(data={
@@ -120,7 +120,7 @@ def test_waiting_slots_queue_and_only_the_first_polls_admission():
         admission.learner_update(version=0, since_publish=0, handled=0, step_s=0.1)
         while buffer.depth() < 4 and time.monotonic() < deadline + 60:
             time.sleep(0.05)
-        # Once 8 groups are timed the polls carry their p90 (the limit stops admission at 128
+        # Once 8 episodes are timed the polls carry their p90 (the limit stops admission at 128
         # groups: 2 batches of 64; the head keeps polling).
         while admission.p90s[-1] is None and time.monotonic() < deadline + 120:
             time.sleep(0.05)
@@ -133,13 +133,13 @@ def test_waiting_slots_queue_and_only_the_first_polls_admission():
     assert 5 <= polls <= 60 * elapsed, (polls, elapsed)
     assert buffer.depth() >= 4 and admission.most == 32  # every slot was queued behind the head
     assert admission.in_flight() == 0  # leases released after their puts, spare ones at the stop
-    # Every written group is timed for admission's p90 (admitted to written), and no other; the
-    # p90 admission was given is that of the groups timed by then.
-    group_s = list(metrics.distribution("actor/group_s")._values)
-    assert len(group_s) == buffer.depth()
+    # Every written group is timed (admitted to written), and no other; the p90 admission was
+    # given is that of the episodes timed by then.
+    assert metrics.distribution("actor/group_s").count == buffer.depth()
+    episode_s = list(metrics.distribution("actor/episode_s")._values)
     given = [p for p in admission.p90s if p is not None]
     assert given, "no p90 reached admission"
-    prefixes = [np.quantile(group_s[:n], 0.9) for n in range(8, len(group_s) + 1)]
+    prefixes = [np.quantile(episode_s[:n], 0.9) for n in range(8, len(episode_s) + 1)]
     assert all(min(abs(p - q) for q in prefixes) < 1e-12 for p in given), (given[-1], prefixes[-1])
 
 

@@ -313,16 +313,16 @@ def test_max_age_refusal(harness, group_factory):
     harness.buffer.put([group_factory(i) for i in range(5)], timeout_s=5)
     assert len(harness.buffer.get(5, timeout_s=5)) == 5  # the learner's queue
     adm.learner_update(version=0, since_publish=0, handled=0, step_s=2.0)  # Q=6: 3 batches, 6 s
-    assert adm.forecast(0, p90_group_s=4.0).expected_wait_s == 6.0
-    assert adm.forecast(0, p90_group_s=4.5).reason == REFUSED_AGE  # 6 + 4.5 > 10
-    assert adm.try_admit("a", 0, p90_group_s=4.0) is not None  # 6 + 4 <= 10
-    f = adm.forecast(0, p90_group_s=3.5)  # Q=7 now: 4 batches, 8 s
+    assert adm.forecast(0, p90_episode_s=4.0).expected_wait_s == 6.0
+    assert adm.forecast(0, p90_episode_s=4.5).reason == REFUSED_AGE  # 6 + 4.5 > 10
+    assert adm.try_admit("a", 0, p90_episode_s=4.0) is not None  # 6 + 4 <= 10
+    f = adm.forecast(0, p90_episode_s=3.5)  # Q=7 now: 4 batches, 8 s
     assert (f.expected_wait_s, f.reason) == (8.0, REFUSED_AGE)
-    assert adm.try_admit("a", 0, p90_group_s=3.5) is None
-    assert adm.try_admit("a", 0, p90_group_s=None) is not None  # no estimate yet: no age check
+    assert adm.try_admit("a", 0, p90_episode_s=3.5) is None
+    assert adm.try_admit("a", 0, p90_episode_s=None) is not None  # no estimate yet: no age check
     off = harness.make(AdmissionLimits(2, 1, max_policy_lag=100))
     off.learner_update(version=0, since_publish=0, handled=0, step_s=2.0)
-    assert off.try_admit("a", 0, p90_group_s=1e6) is not None  # max_age_s=0: off
+    assert off.try_admit("a", 0, p90_episode_s=1e6) is not None  # max_age_s=0: off
 
 
 def test_ready_cap_refusal(harness, group_factory):
@@ -332,20 +332,20 @@ def test_ready_cap_refusal(harness, group_factory):
     adm = harness.make(AdmissionLimits(2, 1, max_policy_lag=100, max_ready_batches=2))
     adm.learner_update(version=0, since_publish=0, handled=0, step_s=1.0)
     harness.buffer.put([group_factory(i) for i in range(3)], timeout_s=5)
-    assert len(adm.try_admit_many("a", 0, count=10, p90_group_s=3.0)) == 7  # Q = 3 + 6 + 1
-    f = adm.forecast(0, p90_group_s=3.0)
+    assert len(adm.try_admit_many("a", 0, count=10, p90_episode_s=3.0)) == 7  # Q = 3 + 6 + 1
+    f = adm.forecast(0, p90_episode_s=3.0)
     assert (f.queued_ahead, f.batches, f.lag, f.reason) == (11, 6, 5, REFUSED_READY)
-    assert adm.forecast(0, p90_group_s=4.0).admitted  # 6 <= 4 + 2
-    assert adm.try_admit("a", 0, p90_group_s=None) is not None  # no estimate yet: no cap
+    assert adm.forecast(0, p90_episode_s=4.0).admitted  # 6 <= 4 + 2
+    assert adm.try_admit("a", 0, p90_episode_s=None) is not None  # no estimate yet: no cap
     got = harness.buffer.get(3, timeout_s=5)  # read by the learner: still ahead until trained
-    assert len(got) == 3 and adm.forecast(0, p90_group_s=3.0).reason == REFUSED_READY
+    assert len(got) == 3 and adm.forecast(0, p90_episode_s=3.0).reason == REFUSED_READY
     adm.learner_update(version=1, since_publish=0, handled=3, step_s=1.0)  # Q = 0 + 8 + 1
-    assert adm.try_admit("a", 0, p90_group_s=3.0) is not None
+    assert adm.try_admit("a", 0, p90_episode_s=3.0) is not None
     adm.learner_update(version=1, since_publish=0, handled=3, step_s=0.0)  # no step time: no cap
-    assert adm.try_admit("a", 0, p90_group_s=3.0) is not None
+    assert adm.try_admit("a", 0, p90_episode_s=3.0) is not None
     off = harness.make(AdmissionLimits(2, 1, max_policy_lag=100))
     off.learner_update(version=0, since_publish=0, handled=0, step_s=1.0)
-    assert off.try_admit("b", 0, p90_group_s=0.0) is not None  # max_ready_batches=0: off
+    assert off.try_admit("b", 0, p90_episode_s=0.0) is not None  # max_ready_batches=0: off
     with pytest.raises(ValueError, match="max_ready_batches"):
         AdmissionLimits(2, 1, 1, max_ready_batches=-1)
 
