@@ -176,7 +176,7 @@ class Actor:
             if lease is None and self.admission is not None:
                 return  # stopping
             stamps = {"requested": requested, "admitted": time.time()}
-            admitted, released = time.monotonic(), False
+            released = False
             try:
                 seed = next(self._task_seeds)
                 task_id = f"{env_cfg.name}/{seed}"
@@ -201,8 +201,8 @@ class Actor:
                 self._record(results)
                 with policy.stepping_away():
                     released = await self._put(group, lease)
-                if released:  # admitted to written: the sizing hint's time in the pipeline (Little's law)
-                    self.metrics.observe("actor/group_s", time.monotonic() - admitted)
+                if released:  # admitted to written: the sizing hint's time in the pipeline
+                    self.metrics.observe("actor/group_s", time.time() - stamps["admitted"])
             finally:
                 self._in_flight -= 1
                 if lease is not None and not released:  # abandoned: the group was not written
