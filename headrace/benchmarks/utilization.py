@@ -377,7 +377,12 @@ def main(argv: list[str] | None = None) -> int:
         step_mean_s = args.env_latency * math.exp(SIGMA**2 / 2)
         episode_s = args.max_turns * (step_mean_s + TURN_INFERENCE_S)
         needed = consume_groups_per_s * episode_s
-        slots = max(1, math.ceil(needed * (headroom := 1.25)))
+        # With the ready cap on, admission, not the pool, bounds what is in flight, so the pool
+        # is sized never to bind: a group takes longer than this estimate (its slowest episode,
+        # turns queued on a busy actor: 9.9 s against 8.5 s at 128 groups a step), and a pool
+        # that binds starves the learner the cap was set to feed.
+        headroom = 2.0 if args.max_ready_batches else 1.25
+        slots = max(1, math.ceil(needed * headroom))
         if args.quick:  # a smoke run: a pool that starts in seconds (its few steps, most of
             slots = QUICK_GROUPS  # them compiling, measure no steady rate to size one from)
         # The staleness limit and buffer that admit the pool (`audit.admitting_limits`): the
