@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         needed = consume_groups_per_s * episode_s
         # With the ready cap on, admission, not the pool, bounds what is in flight, so the pool
         # is sized never to bind: a group takes longer than this estimate (its slowest episode,
-        # turns queued on a busy actor: 9.9 s against 8.5 s at 128 groups a step), and a pool
+        # turns queued on a busy actor: 9.9 s against 8.65 s at 128 groups a step), and a pool
         # that binds starves the learner the cap was set to feed.
         headroom = 2.0 if args.max_ready_batches else 1.25
         slots = max(1, math.ceil(needed * headroom))
