@@ -374,19 +374,15 @@ def main(argv: list[str] | None = None) -> int:
         # Little's law: groups in flight = consume rate x group latency. A minute of training
         # leaves most episodes at their full T turns; a turn is a lognormal env step (mean
         # median x exp(sigma^2 / 2)) plus its wait for a batched policy call.
-        step_mean_s = args.env_latency * math.exp(SIGMA**2 / 2)
-        episode_s = args.max_turns * (step_mean_s + TURN_INFERENCE_S)
+        episode_s = args.max_turns * (args.env_latency * math.exp(SIGMA**2 / 2) + TURN_INFERENCE_S)
         needed = consume_groups_per_s * episode_s
-        # With the ready cap on, admission, not the pool, bounds what is in flight, so the pool
-        # is sized never to bind: a group takes longer than this estimate (its slowest episode,
-        # turns queued on a busy actor: 9.9 s against 8.65 s at 128 groups a step), and a pool
-        # that binds starves the learner the cap was set to feed.
+        # 2x with the ready cap, which then bounds what is in flight: the pool must never bind, and
+        # a group outlasts this estimate (its slowest episode, turns queued on a busy actor).
         headroom = 2.0 if args.max_ready_batches else 1.25
         slots = max(1, math.ceil(needed * headroom))
         if args.quick:  # a smoke run: a pool that starts in seconds (its few steps, most of
             slots = QUICK_GROUPS  # them compiling, measure no steady rate to size one from)
-        # The staleness limit and buffer that admit the pool (`audit.admitting_limits`): the
-        # pool, not the limit, then bounds what is in flight.
+        # The staleness limit and buffer that admit the pool (`audit.admitting_limits`).
         args.max_policy_lag, capacity = admitting_limits(8 * slots, 8, args.groups_per_batch,
                                                          args.max_policy_lag)
         async_data = base_config(args, root / "async")
