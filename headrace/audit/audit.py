@@ -313,19 +313,21 @@ def predict(m: Measured, actors: int, envs_per_actor: int, duration_s: float,
 
 
 def recommend(m: Measured, *, target: float, headroom: float, duration_s: float,
-              admit_pool: bool = False) -> dict:
+              admit_pool: bool = False, max_envs: int | None = None) -> dict:
     """The smallest simulated pool reaching `target` with mean lag within the limit.
 
     `admit_pool`: each pool is simulated with the staleness limit and buffer that admit it
-    (`admitting_limits`) instead of the measured run's, and the recommendation says which."""
+    (`admitting_limits`) instead of the measured run's, and the recommendation says which.
+    `max_envs`: no candidate pool is larger."""
     law = little(m, headroom)
     cap = envs_cap(m)
     g = m.group_size
     cores = actor_cores(m.config) if m.cpu_frac > 0 else None
-    pools = {split_pool(int(law["envs_needed"] * f), cap, g)
-             for f in (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)}
+    largest = max_envs or math.inf
+    sizes = [law["envs_needed"] * f for f in (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)]
     if cores is not None:  # the largest pool the actor cores can run is always a candidate
-        pools.add(split_pool(min(cores * cap, int(law["envs_needed"])), cap, g))
+        sizes.append(min(cores * cap, law["envs_needed"]))
+    pools = {split_pool(int(min(size, largest)), cap, g) for size in sizes}
     candidates = sorted(pools, key=lambda p: p[0] * p[1])
     points = []
     for actors, per in candidates:
@@ -380,16 +382,17 @@ def bottleneck(m: Measured, target: float) -> tuple[str, str]:
 
 def analyze(run_dir: str | pathlib.Path, *, target: float = 0.95, headroom: float = 1.2,
             duration_s: float = 300.0, plot: bool = True, admit_pool: bool = False,
-            measured: Measured | None = None) -> dict:
+            measured: Measured | None = None, max_envs: int | None = None) -> dict:
     """The audit report of a run folder; also written to RUN_DIR/audit.json (and audit.png).
     `admit_pool`: size the staleness limit and buffer to each pool (`recommend`); `measured`:
-    the folder's measurements as `read_run` (and `with_probe`) gave them."""
+    the folder's measurements as `read_run` (and `with_probe`) gave them; `max_envs`: the
+    largest pool to simulate."""
     run_dir = pathlib.Path(run_dir)
     m = measured or read_run(run_dir)
     c = m.config
     name, why = bottleneck(m, target)
     rec = recommend(m, target=target, headroom=headroom, duration_s=duration_s,
-                    admit_pool=admit_pool)
+                    admit_pool=admit_pool, max_envs=max_envs)
     fixed_s, per_row_s = fit_inference(m.calls)
     report = {
         "run_dir": str(run_dir),

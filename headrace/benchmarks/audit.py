@@ -111,14 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         measured_dir = run("measure", 1, args.measure_envs, 1.0,
                            {"max_steps": 6, "max_wall_s": 120.0} if args.quick else {})
         m = with_probe(audit.read_run(measured_dir))
+        # A smoke run's six-step measurement sizes nothing real: keep its pools small.
         report = audit.analyze(measured_dir, target=args.target, headroom=args.headroom,
                                duration_s=args.duration, plot=False,
-                               admit_pool=not args.max_policy_lag, measured=m)
+                               admit_pool=not args.max_policy_lag, measured=m,
+                               max_envs=8 * QUICK_GROUPS if args.quick else None)
         rec = report["recommendation"]
         cap = rec["envs_per_actor_cap"]
         total = rec["actors"] * rec["envs_per_actor"]
-        if args.quick:  # a smoke run's six-step measurement sizes nothing real: keep pools small
-            total = min(total, 8 * QUICK_GROUPS)
         points = []
         for factor in MULTIPLIERS:
             actors, per = audit.split_pool(int(total * factor), cap, m.group_size)

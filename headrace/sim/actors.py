@@ -111,14 +111,25 @@ def calibrate_inference(actors: ActorSpec, groups: int, rng: np.random.Generator
     return (sampler.latency_s - latency) / (sampler.answered - answered)
 
 
+def load_bucket(groups: int) -> int:
+    """The load a calibration stands for: exact up to 32 groups, then the nearest of 16 an octave
+    (within 3.2 %). A calibration costs in proportion to its load, so an actor ramping to
+    thousands of groups calibrates ~100 times, not thousands (quadratic)."""
+    if groups <= 32:
+        return groups
+    step = 1 << (groups.bit_length() - 5)
+    return round(groups / step) * step
+
+
 class AggregatedGeneration:
     """A group is one timeout: its G episode durations are drawn together (numpy, 1,024 groups a
     call), each `sum of env steps + turns * inference latency`, and the group lasts the longest.
 
-    The per-turn inference latency is the fine model's, measured once per number of groups the
-    actor generates at the moment (`calibrate_inference`); weights are read at the group's start,
-    which is when the fine model's first policy call samples too. Lost: the spread of per-turn
-    queueing around its mean, and changes of the actor's load during a group.
+    The per-turn inference latency is the fine model's, measured once per bucket of the number of
+    groups the actor generates at the moment (`load_bucket`, `calibrate_inference`); weights are
+    read at the group's start, which is when the fine model's first policy call samples too.
+    Lost: the spread of per-turn queueing around its mean, and changes of the actor's load during
+    a group.
     """
 
     def __init__(self, env: simpy.Environment, actors: ActorSpec, rng: np.random.Generator,
@@ -150,7 +161,8 @@ class AggregatedGeneration:
 
     def _durations(self, load: int) -> tuple[np.ndarray, list[float], list[float], float]:
         """The chunk's episode durations, and per group the longest and the sum, at an actor load
-        (one numpy call per chunk and load)."""
+        (one numpy call per chunk and load bucket)."""
+        load = load_bucket(load)
         if load not in self._latency:
             self._latency[load] = calibrate_inference(self.actors, load, self._calibration_rng)
         if load not in self._rows:

@@ -13,7 +13,7 @@ import pytest
 import simpy
 
 from headrace.config import ConfigError
-from headrace.sim.actors import calibrate_inference
+from headrace.sim.actors import calibrate_inference, load_bucket
 from headrace.sim.pipeline import Admission, Pipeline, WeightTracker
 from headrace.sim.simulate import main, plot_sweep, simulate, sweep
 from headrace.sim.spec import Dist, load_spec
@@ -272,6 +272,14 @@ def test_aggregated_model_agrees_with_the_fine_model_on_a_small_fleet():
         assert mean("aggregated", key) == pytest.approx(mean("fine", key), abs=tolerance), key
     for key in ("groups_produced_per_s", "group_s_mean", "episode_s_mean"):
         assert mean("aggregated", key) == pytest.approx(mean("fine", key), rel=0.05), key
+
+
+def test_load_buckets_stay_close_and_few_as_an_actor_ramps_to_thousands_of_groups():
+    loads = range(1, 6001)
+    assert [load_bucket(n) for n in range(1, 33)] == list(range(1, 33))
+    assert max(abs(load_bucket(n) - n) / n for n in loads) <= 1 / 32
+    # one calibration per bucket, each costing in proportion to its load: 16 buckets an octave
+    assert len({load_bucket(n) for n in loads}) <= 32 + 16 * math.ceil(math.log2(6000 / 32))
 
 
 # --- sweep, plot and the command line ------------------------------------------------------------
