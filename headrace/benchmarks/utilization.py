@@ -314,6 +314,7 @@ def seeded_figures(runs: list[dict], updates: int, target: float) -> dict:
     figures["seed_utilization"] = [r["learner_utilization"] for r in runs]
     figures["seed_steps_per_s"] = [r["steps_per_s"] for r in runs]
     figures["seed_final_success"] = [r["final_success"] for r in runs]
+    figures["seed_dropped"] = [r["dropped"] for r in runs]  # `dropped` is seed 0's
     return figures
 
 

@@ -15,7 +15,7 @@ import yaml
 
 from headrace.config import Config, ConfigError
 from headrace.rundir import RunDir
-from headrace.sft.demos import ActionCoder, read_jsonl, solver_demos, to_group
+from headrace.sft.demos import ActionCoder, SftError, read_jsonl, solver_demos, to_group
 from headrace.sft.warm_start import SFT_KIND, sft_learner_config
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,26 @@ def _run_dir(config: Config) -> pathlib.Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / RunDir.CONFIG).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     return path
+
+
+def _check_lengths(groups: list, config: Config) -> None:
+    """Demonstrations longer than the largest bucket are cut to it or left out, as
+    `shapes.overlong` says (each counted: `batch/truncated`, `batch/rejected`); all of them left
+    out is an error."""
+    largest = config.shapes.buckets[-1]
+    lengths = [len(g.trajectories[0]) for g in groups]
+    over = sum(n > largest for n in lengths)
+    if not over:
+        return
+    reject = config.shapes.overlong == "reject"
+    if reject and over == len(groups):
+        raise SftError(f"every demonstration is longer than the largest bucket ({largest} tokens; "
+                       f"the longest has {max(lengths)}) and shapes.overlong is 'reject': nothing "
+                       "would be trained. Raise shapes.buckets")
+    log.warning("%d of %d demonstrations (up to %d tokens) exceed the largest bucket (%d): they "
+                "are %s (counted in batch/%s); raise shapes.buckets", over, len(groups),
+                max(lengths), largest, "left out" if reject else "cut to it",
+                "rejected" if reject else "truncated")
 
 
 def run(config: Config, *, echo: bool = True) -> dict[str, Any]:
@@ -63,10 +83,7 @@ def run(config: Config, *, echo: bool = True) -> dict[str, Any]:
     else:
         demos = read_jsonl(pathlib.Path(sft.demos), task.make_env, task.tokenizer, coder)
     groups = [to_group(d, i, config.env.name) for i, d in enumerate(demos)]
-    longest, largest = max(len(g.trajectories[0]) for g in groups), config.shapes.buckets[-1]
-    if longest > largest:
-        log.warning("demonstrations of up to %d tokens exceed the largest bucket (%d): they are "
-                    "truncated; raise shapes.buckets", longest, largest)
+    _check_lengths(groups, config)
     run_dir = _run_dir(config)
     graphdef, params = build.init_params(config, task)
     learner = sft_learner_config(config)
@@ -120,7 +137,7 @@ def run(config: Config, *, echo: bool = True) -> dict[str, Any]:
                       "sft/steps_per_s": step / max(train_s, 1e-9),
                       "learner/grad_norm": float(step_metrics.get("learner/grad_norm", 0.0)),
                       "learner/param_norm": float(step_metrics.get("learner/param_norm", 0.0)),
-                      "batch/packing_efficiency": batch.packing_efficiency}
+                      **metrics.snapshot()}  # the batcher's: packing, truncated, rejected
             if sft.eval_every and step % sft.eval_every == 0 and step < sft.steps:
                 record["eval/success_rate"] = greedy(step)
             if step % config.run.log_every == 0 or "eval/success_rate" in record:
@@ -148,6 +165,9 @@ def run(config: Config, *, echo: bool = True) -> dict[str, Any]:
         "demo_failures": failures,
         "demo_success_rate": float(np.mean(known)) if known else None,
         "demo_tokens_mean": float(np.mean(lengths)),
+        # demonstration passes over the largest bucket: cut to it, or left out (shapes.overlong)
+        "batch_truncated": int(metrics.counters.get("batch/truncated", 0)),
+        "batch_rejected": int(metrics.counters.get("batch/rejected", 0)),
         "initial_success_rate": initial,
         "final_success_rate": final,
         "final_loss": loss,

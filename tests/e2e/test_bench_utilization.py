@@ -74,6 +74,9 @@ def test_quick_bench_prints_every_key_and_each_way_shows_its_mechanism(tmp_path)
     assert sync["token_lag_updates_mean"] == 0, sync
     assert sync["lag_updates_mean"] == 0, sync
     assert set(async_["dropped"]) == {"lag", "age"}
+    # every seed's drops, seed 0's first (the way's own figures are seed 0's)
+    assert len(async_["seed_dropped"]) == settings["seeds"], async_
+    assert async_["seed_dropped"][0] == async_["dropped"], async_
     for key in ("learning_ratio_min", "time_to_target_ratio", "figures_from", "sync_rise",
                 "learning_visible", "learning_auc_ratio"):
         assert key in data, key

@@ -115,6 +115,24 @@ def test_init_from_bad_paths_are_config_errors(tmp_path):
             check_init_from(config, dims)
 
 
+@pytest.mark.timeout(300)
+def test_demonstrations_over_the_largest_bucket_are_counted_or_refused(tmp_path):
+    from headrace.runtime import sft
+
+    # Every calculator demonstration (a chat-rendered episode) is longer than 16 tokens.
+    small = ("shapes.buckets=[16]", "sft.episodes=4", "sft.steps=2", "sft.batch_size=4",
+             "sft.eval_every=0", "sft.eval_episodes=4", "run.log_every=1")
+    with pytest.raises(SftError, match="every demonstration is longer than the largest bucket "
+                       r"\(16 tokens.*Raise shapes.buckets"):
+        sft.run(calc(*small, "shapes.overlong=reject", f"sft.dir={tmp_path}/reject"), echo=False)
+    summary = sft.run(calc(*small, f"sft.dir={tmp_path}/cut"), echo=False)
+    assert summary["batch_truncated"] == 2 * 4 and summary["batch_rejected"] == 0, summary
+    records = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text()
+               .splitlines()]
+    # every line carries the count so far: 4 demonstrations a step, cut to the bucket
+    assert [r["batch/truncated"] for r in records][:2] == [4, 8], records
+
+
 def cli(*args, timeout=240):
     return subprocess.run([sys.executable, "-m", "headrace.cli", *args], capture_output=True,
                           text=True, timeout=timeout)
