@@ -2,7 +2,8 @@
 
 An actor runs `envs_per_actor / group_size` group slots on one asyncio loop. Each slot repeatedly
 takes the next task, plays its G episodes concurrently (their policy calls batched with every other
-slot's), stamps the group and puts it into the buffer; weights are refreshed between turns.
+slot's) and hands the group to the actor's writer (`headrace.actor.writer`), which puts it into
+the buffer with any others finished meanwhile; weights are refreshed between turns.
 
 Stopping: `stop` (a threading.Event) ends the loop; episodes in progress are cancelled and their
 data, never written, is not counted anywhere. A put that times out is logged, counted
@@ -26,9 +27,10 @@ from typing import Any
 from headrace.actor.cpu import TurnCpu
 from headrace.actor.episode import EpisodeResult, run_episode
 from headrace.actor.policy import BatchedPolicy, WeightSync
+from headrace.actor.writer import GroupWriter
 from headrace.buffer.admission import Admission, AdmissionError, Lease
 from headrace.buffer.admission_wait import Heartbeat, wait_admit
-from headrace.buffer.base import Buffer, BufferFull
+from headrace.buffer.base import Buffer
 from headrace.config import Config
 from headrace.engines.base import StoreLoading
 from headrace.env.base import Env
@@ -42,8 +44,6 @@ from headrace.weights.base import WeightStore
 log = logging.getLogger(__name__)
 
 MAX_THREADS = 512  # blocking environment steps in flight per actor at most
-MAX_PUTS = 16  # buffer puts in flight per actor at most (each holds a Redis connection)
-PUT_SLICE_S = 0.25  # longest a put blocks before the stop event is checked again
 
 
 def to_trajectory(result: EpisodeResult, *, trajectory_id: str, group_id: str, task_id: str,
@@ -89,7 +89,7 @@ class Actor:
         self._admit_queued = 0  # slots waiting for their turn to be admitted
         self._leases = collections.deque()  # admitted for slots still queued (`_admit`)
         self._p90, self._p90_at = None, float("-inf")  # episode-time p90 for admission, cached
-        self._puts: asyncio.Semaphore | None = None
+        self._writer: GroupWriter | None = None  # made on the event loop (`_main`)
         self._started = time.monotonic()
         self.discarded = 0  # environments abandoned to a timed-out call (`_replace`)
 
@@ -112,7 +112,11 @@ class Actor:
         pool = concurrent.futures.ThreadPoolExecutor(min(actor.envs_per_actor + 4, MAX_THREADS),
                                                      thread_name_prefix=f"{self.actor_id}-io")
         asyncio.get_running_loop().set_default_executor(pool)
-        self._admit_turn, self._puts = asyncio.Lock(), asyncio.Semaphore(MAX_PUTS)
+        self._admit_turn = asyncio.Lock()
+        self._writer = GroupWriter(self.buffer, self.weights, self.admission, self.metrics,
+                                   self.stop, capacity=self.config.buffer.capacity,
+                                   put_timeout_s=self.config.buffer.put_timeout_s,
+                                   actor_id=self.actor_id)
         sync = self._sync = WeightSync(self.weights, self.sampler, self.metrics,
                                        self.config.staleness.forced_lag, loader=self.loader)
         try:
@@ -305,38 +309,10 @@ class Actor:
                                            for r in results])
 
     async def _put(self, group: Group, lease: Lease | None) -> bool:
-        """Writes the group, waiting out backpressure in short slices so a stop is never held up;
-        True once written and its admission `lease` (if any) released.
-
-        A put blocked for `buffer.put_timeout_s` in total is logged and counted, then retried:
-        the group is never dropped. On stop the group is abandoned before it is written.
-        """
+        """Writes the group (`GroupWriter`: with any others finished meanwhile); True once written
+        and its admission `lease` (if any) released, False on stop."""
         start = time.perf_counter()
-        warned_at, written = start, False
-
-        def stamp_and_put() -> None:  # on a pool thread: the version and lease are store calls
-            group.put_version = self.weights.latest_version()
-            put_at = time.time()
-            for t in group.trajectories:
-                t.timings["put"] = put_at
-            self.buffer.put([group], PUT_SLICE_S)
-            if lease is not None:  # once the group is in the buffer (admission's protocol)
-                self.admission.release(lease)
-
-        while not self.stop.is_set():
-            call_start = time.perf_counter()
-            try:
-                async with self._puts:
-                    await asyncio.to_thread(stamp_and_put)
-                self.metrics.observe("actor/put_s", time.perf_counter() - call_start)
-                written = True
-                break
-            except BufferFull:
-                if time.perf_counter() - warned_at >= self.config.buffer.put_timeout_s:
-                    warned_at = time.perf_counter()
-                    self.metrics.count("actor/put_timeouts")
-                    log.warning("actor %s: buffer full for %.0f s; still retrying",
-                                self.actor_id, self.config.buffer.put_timeout_s)
+        written = await self._writer.put(group, lease)
         self._blocked_s += time.perf_counter() - start
         self.metrics.gauge("actor/idle_frac",
                            self._blocked_s / self.config.actor.envs_per_actor

@@ -61,7 +61,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from headrace.config import Config
 from headrace.versions import batches_for, too_many_ready, trained_at_version
@@ -248,6 +248,11 @@ class Admission(abc.ABC):
     @abc.abstractmethod
     def release(self, lease: Lease) -> bool:
         """Frees the lease's slot; False when it had already expired or been released."""
+
+    def release_many(self, leases: Sequence[Lease]) -> int:
+        """Frees every lease's slot (the Redis backend: one round trip for one actor's leases);
+        returns how many were live."""
+        return sum(self.release(lease) for lease in leases)
 
     @abc.abstractmethod
     def heartbeat(self, actor_id: str) -> int:

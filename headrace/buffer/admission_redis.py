@@ -24,10 +24,11 @@ which Lua parses exactly, so the script and `decide` agree bit for bit.
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -131,11 +132,15 @@ if live > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
 return live
 """
 
-# KEYS: leases, actor set. ARGV: member. Returns 1 when the lease was live.
+# KEYS: leases, actor set. ARGV: members (the actor's). Returns how many of them were live.
 _RELEASE = _NOW + """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-redis.call('SREM', KEYS[2], ARGV[1])
-return redis.call('ZREM', KEYS[1], ARGV[1])
+local live = 0
+for i = 1, #ARGV do
+  redis.call('SREM', KEYS[2], ARGV[i])
+  live = live + redis.call('ZREM', KEYS[1], ARGV[i])
+end
+return live
 """
 
 # KEYS: leases, actor set (or none). Returns live leases, of the actor when its set is given.
@@ -275,9 +280,16 @@ class RedisAdmission(Admission):
         return forecast, leases
 
     def release(self, lease: Lease) -> bool:
-        return bool(self._call("release", self._lua["release"],
-                               keys=[self.leases_key, self._actor_key(lease.actor_id)],
-                               args=[lease.lease_id]))
+        return self.release_many([lease]) == 1
+
+    def release_many(self, leases: Sequence[Lease]) -> int:
+        """One round trip per actor among `leases` (one for an actor's own)."""
+        by_actor: dict[str, list[str]] = collections.defaultdict(list)
+        for lease in leases:
+            by_actor[lease.actor_id].append(lease.lease_id)
+        return sum(int(self._call("release", self._lua["release"],
+                                  keys=[self.leases_key, self._actor_key(actor_id)], args=ids))
+                   for actor_id, ids in by_actor.items())
 
     def heartbeat(self, actor_id: str) -> int:
         check_name("actor_id", actor_id)

@@ -308,6 +308,17 @@ def test_release_frees_the_slot(harness):
     assert adm.try_admit("b", 0) is not None and adm.in_flight("b") == 1
 
 
+def test_release_many_frees_live_leases_of_several_actors_in_one_call_each(harness):
+    adm = harness.make(AdmissionLimits(groups_per_batch=8, publish_every=1, max_policy_lag=0))
+    a, b = adm.try_admit_many("a", 0, count=3), adm.try_admit_many("b", 0, count=2)
+    assert adm.release(a[0])
+    # a[0] is no longer live: counted out, the other four freed; the slots open again
+    assert adm.release_many([a[0], a[1], b[0], a[2], b[1]]) == 4
+    assert adm.in_flight() == 0 and adm.release_many([a[1], b[1]]) == 0
+    assert adm.release_many([]) == 0
+    assert len(adm.try_admit_many("c", 0, count=10)) == 8
+
+
 def test_max_age_refusal(harness, group_factory):
     adm = harness.make(AdmissionLimits(2, 1, max_policy_lag=100, max_age_s=10.0))
     harness.buffer.put([group_factory(i) for i in range(5)], timeout_s=5)
