@@ -143,6 +143,11 @@ class Actor:
         slots = [[self.make_env() for _ in range(g)] for _ in range(actor.envs_per_actor // g)]
         tasks = [asyncio.create_task(policy.serve())]
         tasks += [asyncio.create_task(self._slot(envs, policy)) for envs in slots]
+        failures: list[BaseException] = []  # a slot or the policy that raised fails the actor
+        for task in tasks:
+            task.add_done_callback(
+                lambda t: failures.append(t.exception())
+                if not t.cancelled() and t.exception() is not None else None)
         heartbeat = Heartbeat(self.admission, self.actor_id) if self.admission else None
         if heartbeat is not None:
             heartbeat.start()
@@ -151,6 +156,8 @@ class Actor:
         try:
             while not self.stop.is_set():
                 await asyncio.sleep(0.05)
+                if failures:
+                    raise failures[0]
                 if time.monotonic() - wall_at >= 2.0:  # this process's CPU use (audit sizing)
                     cpu, turn, wall = time.process_time(), turn_cpu.read(), time.monotonic()
                     self.metrics.gauge("actor/cpu_frac", (cpu - cpu_at) / (wall - wall_at))

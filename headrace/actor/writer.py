@@ -9,11 +9,14 @@ more groups (at most `MAX_WRITE_GROUPS`, and never more than the buffer's capaci
 round trips per group fall: each write is three (a reserve and an append for the put, one for the
 release), however many groups it carries.
 
-A write refused at capacity (`BufferFull` after `PUT_SLICE_S`) puts its groups back at the front
-and is tried again, so a stop is never held up for long; blocked for `buffer.put_timeout_s` in
-total it is logged and counted (`actor/put_timeouts`) and still retried: a group is never dropped.
+A write refused at capacity (`BufferFull` after `PUT_SLICE_S`) puts its groups back at the front;
+the next carries half as many (the most again after one succeeds: a write needs all its slots
+free at once, so one that stayed large could lose every freed slot to smaller writes). A stop is
+never held up for long; blocked for `buffer.put_timeout_s` in total a write is logged and counted
+(`actor/put_timeouts`) and still retried: a group is never dropped.
 On stop, groups not yet written are abandoned (their slots release the leases). A write that fails
-otherwise (the store lost) fails every group in it: the slots raise, and the actor fails.
+otherwise (the store lost) fails every group in it: their slots raise, which fails the actor
+(`Actor._act` raises the first error of a slot or of the policy).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class GroupWriter:
         self.buffer, self.weights, self.admission = buffer, weights, admission
         self.metrics, self.stop, self.actor_id = metrics, stop, actor_id
         self.max_groups = max(1, min(MAX_WRITE_GROUPS, capacity))
+        self._limit = self.max_groups  # halved by each refusal, so a write always fits in time
         self.put_timeout_s = put_timeout_s
         self._unwritten: collections.deque[_Unwritten] = collections.deque()
         self._writes = asyncio.Semaphore(MAX_WRITES)
@@ -77,7 +81,7 @@ class GroupWriter:
                     await asyncio.wait([mine.written], timeout=PUT_SLICE_S)
                     continue
                 async with self._writes:
-                    if not mine.taken and not mine.written.done():
+                    if not (mine.taken or mine.written.done() or self.stop.is_set()):
                         await self._write_next()
         finally:
             if not mine.taken and not mine.written.done():  # stopped, or cancelled, unwritten
@@ -90,7 +94,7 @@ class GroupWriter:
     async def _write_next(self) -> None:
         """One write of the oldest unwritten groups; its outcome is theirs (`written`)."""
         batch = [self._unwritten.popleft()
-                 for _ in range(min(len(self._unwritten), self.max_groups))]
+                 for _ in range(min(len(self._unwritten), self._limit))]
         for item in batch:
             item.taken = True
         start = time.perf_counter()
@@ -104,6 +108,7 @@ class GroupWriter:
             for item in reversed(batch):  # back to the front, in order, for the next write
                 item.taken = False
                 self._unwritten.appendleft(item)
+            self._limit = max(1, len(batch) // 2)  # smaller next time (the module's docstring)
             self._refused()
             return
         except asyncio.CancelledError:  # stopping: the thread may still finish the write
@@ -114,7 +119,7 @@ class GroupWriter:
             for item in batch:
                 item.written.set_exception(error)
             return
-        self._full_since = None
+        self._full_since, self._limit = None, self.max_groups
         for item in batch:
             item.written.set_result(None)
         self.metrics.observe("actor/put_s", time.perf_counter() - start)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from headrace.buffer.admission import AdmissionLimits, InProcessAdmission
+from headrace.buffer.base import BufferError
 from headrace.buffer.memory import MemoryBuffer
 from headrace.config import ConfigError, load
 from headrace.metrics.core import Metrics
@@ -155,3 +156,38 @@ def test_kept_caches_too_large_for_memory_are_a_config_error():
     with pytest.raises(ConfigError, match="lower actor.envs_per_actor or shapes.buckets"):
         build.make_sampler(config, task, graphdef, seed=0, acting=True)
     build.make_sampler(config, task, graphdef, seed=0)  # a sampler that does not act keeps none
+
+
+class LostBuffer(MemoryBuffer):
+    def put(self, groups, timeout_s):
+        raise BufferError("redis at 127.0.0.1:1 unreachable for 30 s")
+
+
+@pytest.mark.timeout(120)
+def test_a_store_lost_for_good_fails_the_actor_instead_of_its_slots_quietly():
+    config = load(data={
+        "env": {"name": "guess_number", "kwargs": {"n": 4, "max_turns": 2}},
+        "actor": {"envs_per_actor": 8, "group_size": 2, "max_batch": 8},
+        "sampling": {"max_new_tokens": 1}, "shapes": {"buckets": [8]}, "model": {"max_len": 16}})
+    task = build.build_task(config)
+    graphdef, params = build.init_params(config, task)
+    weights = MemoryWeightStore(2)
+    weights.publish(params_lib.to_host(params), 0)
+    stop = threading.Event()
+    sampler = build.make_sampler(config, task, graphdef, seed=0, acting=True)
+    actor = build.make_actor(config, task, "a0", sampler, LostBuffer(capacity=100), weights,
+                             Metrics(), stop)
+    errors = []
+
+    def run():
+        try:
+            actor.run()
+        except BaseException as error:  # what the actor's process would die of
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=90)
+    stop.set()  # (only if it hung: then the assertions below fail)
+    thread.join(timeout=30)
+    assert errors and isinstance(errors[0], BufferError) and "unreachable" in str(errors[0]), errors

@@ -134,6 +134,20 @@ def test_a_stop_abandons_unwritten_groups_and_leaves_their_leases_to_the_slots(w
 
 
 @pytest.mark.timeout(30)
+def test_a_refused_write_shrinks_until_it_fits_the_slots_that_are_free(weights):
+    buffer = RecordingBuffer(delay_s=0.2, capacity=8)
+    buffer.put([make_group(90 + i) for i in range(5)], timeout_s=1)  # 3 slots free, nobody reads
+    buffer.calls.clear()
+    admission, leases = admission_with(8)
+    got, _, _, _ = put_all(buffer, weights, admission, leases, capacity=8, stop_after_s=3.0)
+    # g0 and g1 take the two write slots and fit; g2..g7 (six) wait, are refused, then three,
+    # then one fits the last free slot. A write that stayed at six would never have fitted.
+    written = sorted(group_id for call in buffer.calls for group_id in call)
+    assert written == ["g0", "g1", "g2"] and got == [True] * 3 + [False] * 5, (buffer.calls, got)
+    assert admission.in_flight() == 5
+
+
+@pytest.mark.timeout(30)
 def test_a_failed_write_fails_every_group_it_carried(weights):
     buffer = RecordingBuffer(delay_s=0.1, fail=BufferError("connection lost"), capacity=64)
     admission, leases = admission_with(5)
