@@ -143,11 +143,14 @@ class Actor:
         slots = [[self.make_env() for _ in range(g)] for _ in range(actor.envs_per_actor // g)]
         tasks = [asyncio.create_task(policy.serve())]
         tasks += [asyncio.create_task(self._slot(envs, policy)) for envs in slots]
-        failures: list[BaseException] = []  # a slot or the policy that raised fails the actor
+        failures: list[BaseException] = []
+
+        def failed(task: asyncio.Task) -> None:  # a slot or the policy that raised fails the actor
+            if not task.cancelled() and task.exception() is not None:
+                failures.append(task.exception())
+
         for task in tasks:
-            task.add_done_callback(
-                lambda t: failures.append(t.exception())
-                if not t.cancelled() and t.exception() is not None else None)
+            task.add_done_callback(failed)
         heartbeat = Heartbeat(self.admission, self.actor_id) if self.admission else None
         if heartbeat is not None:
             heartbeat.start()
@@ -221,9 +224,11 @@ class Actor:
 
     def _release_spare(self) -> None:
         """Releases the leases admitted for slots that will not start now (on stop)."""
+        if not self._leases:
+            return
+        spare, self._leases = list(self._leases), collections.deque()
         try:
-            while self._leases:
-                self.admission.release(self._leases.popleft())
+            self.admission.release_many(spare)  # one round trip
         except AdmissionError as error:  # they expire after lease_ttl_s
             log.warning("actor %s: releasing spare admission leases failed (%s); they expire "
                         "after %.0f s", self.actor_id, error, self.admission.lease_ttl_s)

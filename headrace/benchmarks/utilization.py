@@ -311,10 +311,9 @@ def seeded_figures(runs: list[dict], updates: int, target: float) -> dict:
         figures["eval_curve"])
     figures["time_to_target_s"] = time_to_target(figures["eval_curve"], target)
     figures["seeds"] = len(runs)
-    figures["seed_utilization"] = [r["learner_utilization"] for r in runs]
-    figures["seed_steps_per_s"] = [r["steps_per_s"] for r in runs]
-    figures["seed_final_success"] = [r["final_success"] for r in runs]
-    figures["seed_dropped"] = [r["dropped"] for r in runs]  # `dropped` is seed 0's
+    figures.update({f"seed_{name}": [r[key] for r in runs] for name, key in (  # every seed's
+        ("utilization", "learner_utilization"), ("steps_per_s", "steps_per_s"),
+        ("final_success", "final_success"), ("dropped", "dropped"))})
     return figures
 
 
