@@ -44,6 +44,11 @@ from headrace.weights.base import WeightStore
 log = logging.getLogger(__name__)
 
 MAX_THREADS = 512  # blocking environment steps in flight per actor at most
+# Leases asked for beyond the slots queued for admission: the slots that finish next take them
+# without a round trip (one per group was a quarter of the example's loop), unless they are older
+# than SPARE_TTL_S (a group started late on an old forecast would train later than it said).
+ADMIT_SPARE = 8
+SPARE_TTL_S = 0.25
 
 
 def to_trajectory(result: EpisodeResult, *, trajectory_id: str, group_id: str, task_id: str,
@@ -86,8 +91,11 @@ class Actor:
         self._in_flight = 0
         # Created on the actor's event loop (`_main`): one slot polls admission, the rest queue.
         self._admit_turn: asyncio.Lock | None = None
+        self._installed: asyncio.Event | None = None  # set when new weights are installed
         self._admit_queued = 0  # slots waiting for their turn to be admitted
-        self._leases = collections.deque()  # admitted for slots still queued (`_admit`)
+        self._slots = config.actor.envs_per_actor // config.actor.group_size
+        # (lease, monotonic time taken): admitted for slots still queued or about to be (`_admit`)
+        self._leases: collections.deque[tuple[Lease, float]] = collections.deque()
         self._p90, self._p90_at = None, float("-inf")  # episode-time p90 for admission, cached
         self._writer: GroupWriter | None = None  # made on the event loop (`_main`)
         self._started = time.monotonic()
@@ -117,8 +125,11 @@ class Actor:
                                    self.stop, capacity=self.config.buffer.capacity,
                                    put_timeout_s=self.config.buffer.put_timeout_s,
                                    actor_id=self.actor_id)
-        sync = self._sync = WeightSync(self.weights, self.sampler, self.metrics,
-                                       self.config.staleness.forced_lag, loader=self.loader)
+        loop, installed = asyncio.get_running_loop(), asyncio.Event()
+        self._installed = installed
+        sync = self._sync = WeightSync(
+            self.weights, self.sampler, self.metrics, self.config.staleness.forced_lag,
+            loader=self.loader, on_install=lambda _: loop.call_soon_threadsafe(installed.set))
         try:
             if not await sync.wait_first(self.stop):  # version 0 is published before actors start
                 return
@@ -222,11 +233,15 @@ class Actor:
                 if lease is not None and not released:  # abandoned: the group was not written
                     self.admission.release(lease)
 
-    def _release_spare(self) -> None:
-        """Releases the leases admitted for slots that will not start now (on stop)."""
-        if not self._leases:
+    def _release_spare(self, stale_only: bool = False) -> None:
+        """Releases the spare leases (`_admit`) no slot will start now: all of them (on stop), or
+        those older than SPARE_TTL_S."""
+        spare, now = [], time.monotonic()
+        while self._leases and (not stale_only or now - self._leases[0][1] > SPARE_TTL_S):
+            spare.append(self._leases.popleft()[0])
+        if not spare:
             return
-        spare, self._leases = list(self._leases), collections.deque()
+        self.metrics.count("actor/spare_leases_released", len(spare))
         try:
             self.admission.release_many(spare)  # one round trip
         except AdmissionError as error:  # they expire after lease_ttl_s
@@ -268,7 +283,10 @@ class Actor:
         the store: hundreds of slots polling at once would spend the actor's core, and the
         store's, on refusals. The head asks for a lease for every slot queued behind it too (one
         round trip for many groups: a round trip per group was a third of the loop's time in the
-        example); the slots behind take those in turn.
+        example), and ADMIT_SPARE more for the slots that finish next; the slots behind take
+        those in turn. Refused for lag, the head sleeps until
+        new weights are installed (`_installed`), the only change that lifts such a refusal
+        short of dropped or expired groups (`wait_admit`'s `wake`).
         """
         if self.admission is None:
             return None
@@ -294,15 +312,18 @@ class Actor:
         try:
             async with self._admit_turn:
                 self._admit_queued, queued = self._admit_queued - 1, False
+                self._release_spare(stale_only=True)
                 if self._leases:
-                    lease = self._leases.popleft()
+                    lease = self._leases.popleft()[0]
                 else:
                     admitted = await wait_admit(
                         self.admission, self.actor_id, weights_version, stop=self.stop,
                         p90_episode_s=p90_episode_s, poll_s=0.005, max_poll_s=0.05,
-                        count=lambda: 1 + self._admit_queued)
+                        count=lambda: min(1 + self._admit_queued + ADMIT_SPARE, self._slots),
+                        wake=self._installed)
                     lease = admitted.lease
-                    self._leases.extend(admitted.more)
+                    taken = time.monotonic()
+                    self._leases.extend((more, taken) for more in admitted.more)
         finally:
             if queued:  # cancelled in the queue
                 self._admit_queued -= 1

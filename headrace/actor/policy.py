@@ -52,7 +52,8 @@ class WeightSync:
 
     def __init__(self, store: WeightStore, sampler: Sampler | Engine, metrics: Metrics,
                  forced_lag: int = 0, poll_s: float = 0.02,
-                 loader: Callable[[dict], Any] | None = None):
+                 loader: Callable[[dict], Any] | None = None,
+                 on_install: Callable[[int], None] | None = None):
         self.store = store
         # flat published weights -> device params: as they are, or (model.lora) a
         # `headrace.model.lora.Merger` that merges each version's adapters into the fixed base
@@ -61,6 +62,7 @@ class WeightSync:
         self.metrics = metrics
         self.forced_lag = forced_lag
         self.poll_s = poll_s
+        self.on_install = on_install  # called with the version, on the weights thread
         self._next_poll = 0.0
         self._lock = threading.Lock()  # guards the poll clock, the check in flight, the error
         self._checking: concurrent.futures.Future | None = None
@@ -148,6 +150,8 @@ class WeightSync:
             self._error = None  # recovered: an earlier failure not raised yet is moot
         self.metrics.observe("weights/pickup_s", time.perf_counter() - start)
         self.store.note_pickup(target, time.time())  # closes the loop for traces
+        if self.on_install is not None:
+            self.on_install(target)
         return True
 
     def close(self) -> None:

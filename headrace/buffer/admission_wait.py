@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from headrace.buffer.admission import Admission, Forecast, Lease, _check_request, check_name
+from headrace.buffer.admission import REFUSED_LAG, Admission, Forecast, Lease, _check_request, check_name
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class _Waiter:
                  weights_version: int | Callable[[], int],
                  p90_episode_s: float | None | Callable[[], float | None],
                  poll_s: float, max_poll_s: float, timeout_s: float | None,
-                 count: int | Callable[[], int] = 1):
+                 count: int | Callable[[], int] = 1, woken_for_lag: bool = False):
         if not 0 < poll_s <= max_poll_s:
             raise ValueError(f"poll_s={poll_s}, max_poll_s={max_poll_s}: need 0 < poll_s <= "
                              "max_poll_s")
@@ -47,6 +47,7 @@ class _Waiter:
         self.start = time.monotonic()
         self._deadline = None if timeout_s is None else self.start + timeout_s
         self.attempts, self.last = 0, None
+        self._woken_for_lag = woken_for_lag  # a lag refusal waits for the wake, max_poll_s at most
 
     def attempt(self) -> Admitted | float:
         self.attempts += 1
@@ -61,7 +62,10 @@ class _Waiter:
         now = time.monotonic()
         if self._deadline is not None and now >= self._deadline:
             return self.give_up()
-        delay, self._delay = self._delay, min(self._delay * 2, self._max_poll_s)
+        if self._woken_for_lag and forecast.reason == REFUSED_LAG:
+            delay = self._max_poll_s
+        else:
+            delay, self._delay = self._delay, min(self._delay * 2, self._max_poll_s)
         return delay if self._deadline is None else min(delay, self._deadline - now)
 
     def give_up(self) -> Admitted:
@@ -95,18 +99,34 @@ async def wait_admit(admission: Admission, actor_id: str,
                      p90_episode_s: float | None | Callable[[], float | None] = None,
                      poll_s: float = 0.05, max_poll_s: float = 0.5,
                      timeout_s: float | None = None,
-                     count: int | Callable[[], int] = 1) -> Admitted:
+                     count: int | Callable[[], int] = 1,
+                     wake: asyncio.Event | None = None) -> Admitted:
     """`admit` for an asyncio loop: sleeps with `asyncio.sleep` (a stop is seen within
     `max_poll_s`). Each attempt is one short blocking store call (a Redis round trip) that asks
     for `count` leases (a callable: re-read on every attempt): once one is admissible it returns
-    the first as `lease` and any others as `more`."""
+    the first as `lease` and any others as `more`.
+
+    `wake`, when given, is set by whoever changes what the forecast depends on (the actor: new
+    weights installed; a lag refusal lifts only then, as the learner's steps leave
+    `trained_at` unchanged for given weights): it ends a sleep at once, and a lag refusal then
+    waits for it (or `max_poll_s`, for what else lifts one: groups dropped or expired) instead
+    of polling sooner. It is cleared before every attempt, so a change during one is not missed.
+    """
     waiter = _Waiter(admission, actor_id, weights_version, p90_episode_s, poll_s, max_poll_s,
-                     timeout_s, count)
+                     timeout_s, count, woken_for_lag=wake is not None)
     while not stop.is_set():
+        if wake is not None:
+            wake.clear()
         result = waiter.attempt()
         if isinstance(result, Admitted):
             return result
-        await asyncio.sleep(result)
+        if wake is None:
+            await asyncio.sleep(result)
+            continue
+        try:
+            await asyncio.wait_for(wake.wait(), result)
+        except TimeoutError:
+            pass
     return waiter.give_up()
 
 

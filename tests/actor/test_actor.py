@@ -78,13 +78,16 @@ class CountingAdmission(InProcessAdmission):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.calls, self.most, self.p90s = 0, 0, []
+        self.calls, self.most, self.p90s, self.granted = 0, 0, [], []
 
     def _decide(self, actor_id, weights_version, p90_episode_s, reserve, count=1):
         self.calls += 1
         self.most = max(self.most, count)
         self.p90s.append(p90_episode_s)
-        return super()._decide(actor_id, weights_version, p90_episode_s, reserve, count)
+        forecast, leases = super()._decide(actor_id, weights_version, p90_episode_s, reserve,
+                                           count)
+        self.granted += leases
+        return forecast, leases
 
 
 @pytest.mark.timeout(240)
@@ -142,6 +145,59 @@ def test_waiting_slots_queue_and_only_the_first_polls_admission():
     assert given, "no p90 reached admission"
     prefixes = [np.quantile(episode_s[:n], 0.9) for n in range(8, len(episode_s) + 1)]
     assert all(min(abs(p - q) for q in prefixes) < 1e-12 for p in given), (given[-1], prefixes[-1])
+
+
+@pytest.mark.timeout(120)
+def test_spare_leases_save_round_trips_and_are_given_back_when_old(monkeypatch):
+    """A slot asking for admission takes ADMIT_SPARE more leases (never more than the actor's
+    slots); the next slots take those without a call, and leases left unused past SPARE_TTL_S
+    are released and counted, so none holds the window open for nothing."""
+    import asyncio
+
+    from headrace.actor import actor as actor_module
+    from headrace.actor.policy import WeightSync
+
+    config = load(data={
+        "env": {"name": "guess_number", "kwargs": {"n": 8, "max_turns": 2}},
+        "actor": {"envs_per_actor": 10, "group_size": 2, "max_batch": 10},
+        "staleness": {"max_policy_lag": 100},
+        "sampling": {"max_new_tokens": 1}, "shapes": {"buckets": [8]}, "model": {"max_len": 8}})
+    task = build.build_task(config)
+    graphdef, params = build.init_params(config, task)
+    weights = MemoryWeightStore(2)
+    weights.publish(params_lib.to_host(params), 0)
+    sampler = build.make_sampler(config, task, graphdef, seed=0)
+    sampler.set_params(params, 0)
+    admission = CountingAdmission(AdmissionLimits.from_config(config),
+                                  counts=MemoryBuffer(capacity=100).counts)
+    metrics = Metrics()
+    actor = build.make_actor(config, task, "a0", sampler, MemoryBuffer(capacity=100), weights,
+                             metrics, threading.Event(), admission=admission)
+    monkeypatch.setattr(actor_module, "SPARE_TTL_S", 3600.0)  # none ages: only the count matters
+
+    async def main():
+        actor._admit_turn, actor._installed = asyncio.Lock(), asyncio.Event()
+        actor._sync = WeightSync(weights, sampler, metrics)
+        try:
+            leases = [await actor._admit() for _ in range(5)]  # 5 slots: one call, 4 spare
+            assert admission.calls == 1 and admission.most == 5  # not 1 + 8: 5 slots at most
+            leases.append(await actor._admit())  # the spares are used up: a second call
+            assert admission.calls == 2 and len(actor._leases) == 4
+            monkeypatch.setattr(actor_module, "SPARE_TTL_S", 0.0)  # every spare is old now
+            leases.append(await actor._admit())  # the old ones go back, a third call
+            assert admission.calls == 3 and len(actor._leases) == 4
+            assert metrics.snapshot()["actor/spare_leases_released"] == 4
+            assert admission.in_flight("a0") == len(leases) + 4
+            actor._release_spare()  # at stop
+            assert admission.release_many(leases) == len(leases)
+            return len(leases)
+        finally:
+            actor._sync.close()
+
+    used = asyncio.run(main())
+    assert admission.in_flight() == 0
+    assert metrics.snapshot()["actor/spare_leases_released"] == 8
+    assert len(admission.granted) == used + 8  # every lease granted was used or given back
 
 
 def test_kept_caches_too_large_for_memory_are_a_config_error():

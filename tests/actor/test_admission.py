@@ -407,6 +407,36 @@ def test_wait_admit_async_after_release(harness):
     assert got.lease is not None and got.lease.actor_id == "b" and got.wait_s >= 0.15
 
 
+@pytest.mark.timeout(30)
+def test_wait_admit_refused_for_lag_waits_for_its_wake_not_the_clock(harness):
+    """A lag refusal lifts when the actor's weights move: with a `wake`, the wait sleeps until
+    it is set (max_poll_s is only the fallback) and polls no sooner; without the wake a refusal
+    would be polled again after 1, 2, 4, ... ms."""
+    adm = harness.make(AdmissionLimits(1, 1, 0))
+    adm.learner_update(3, 0, 0, 0.1)  # version 3, nothing queued
+    weights, asked = [2], []  # one version behind the learner: lag 1 > 0
+
+    def weights_version() -> int:
+        asked.append(weights[-1])
+        return weights[-1]
+
+    async def main():
+        wake = asyncio.Event()
+        waiting = asyncio.create_task(wait_admit(
+            adm, "b", weights_version, stop=threading.Event(), poll_s=0.001, max_poll_s=60,
+            wake=wake))
+        while not asked:  # the first attempt was refused
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # the clock alone would have polled several times
+        weights.append(3)  # new weights installed
+        wake.set()
+        return await asyncio.wait_for(waiting, 20)
+
+    got = asyncio.run(main())
+    assert got.lease is not None and got.lease.weights_version == 3
+    assert asked == [2, 3] and got.attempts == 2 and got.last.reason == REFUSED_LAG
+
+
 def test_bad_input_is_refused_with_a_reason():
     with pytest.raises(ValueError, match="groups_per_batch"):
         AdmissionLimits(0, 1, 1)

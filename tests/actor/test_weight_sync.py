@@ -94,8 +94,8 @@ def test_a_slow_load_blocks_neither_the_event_loop_nor_refresh(host_params):
 def test_concurrent_refreshes_load_one_at_a_time_and_versions_only_increase(host_params):
     store = GatedStore(keep=32)
     sampler, stop = RecordingSampler(), threading.Event()
-    metrics = Metrics()
-    sync = WeightSync(store, sampler, metrics, poll_s=0.0)
+    metrics, announced = Metrics(), []
+    sync = WeightSync(store, sampler, metrics, poll_s=0.0, on_install=announced.append)
     errors: list[BaseException] = []
 
     def hammer():  # as the event loop and the sampler's thread both do
@@ -129,6 +129,7 @@ def test_concurrent_refreshes_load_one_at_a_time_and_versions_only_increase(host
     assert sampler.installed == sorted(set(sampler.installed))  # strictly increasing
     assert store.most_in_flight == 1
     assert metrics.distribution("weights/pickup_s").count == len(sampler.installed)
+    assert announced == sampler.installed  # every install announced (the actor's admission wake)
 
 
 @pytest.mark.timeout(60)
