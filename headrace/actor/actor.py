@@ -127,9 +127,16 @@ class Actor:
                                    actor_id=self.actor_id)
         loop, installed = asyncio.get_running_loop(), asyncio.Event()
         self._installed = installed
-        sync = self._sync = WeightSync(
-            self.weights, self.sampler, self.metrics, self.config.staleness.forced_lag,
-            loader=self.loader, on_install=lambda _: loop.call_soon_threadsafe(installed.set))
+
+        def on_install(_version: int) -> None:  # on the weights thread
+            try:
+                loop.call_soon_threadsafe(installed.set)
+            except RuntimeError:  # the loop has closed: the actor stopped during the load
+                pass
+
+        sync = self._sync = WeightSync(self.weights, self.sampler, self.metrics,
+                                       self.config.staleness.forced_lag, loader=self.loader,
+                                       on_install=on_install)
         try:
             if not await sync.wait_first(self.stop):  # version 0 is published before actors start
                 return
@@ -284,9 +291,9 @@ class Actor:
         store's, on refusals. The head asks for a lease for every slot queued behind it too (one
         round trip for many groups: a round trip per group was a third of the loop's time in the
         example), and ADMIT_SPARE more for the slots that finish next; the slots behind take
-        those in turn. Refused for lag, the head sleeps until
-        new weights are installed (`_installed`), the only change that lifts such a refusal
-        short of dropped or expired groups (`wait_admit`'s `wake`).
+        those in turn. Refused for lag, the head sleeps until new weights are installed
+        (`_installed`, `wait_admit`'s `wake`): short of dropped or expired groups, nothing else
+        lifts such a refusal.
         """
         if self.admission is None:
             return None

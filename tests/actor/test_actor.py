@@ -90,18 +90,24 @@ class CountingAdmission(InProcessAdmission):
         return forecast, leases
 
 
-@pytest.mark.timeout(240)
-def test_waiting_slots_queue_and_only_the_first_polls_admission():
-    """Refused slots wait their turn: the actor's polls are one waiter's, not one per slot."""
+def admission_setup(envs_per_actor: int, max_policy_lag: int):
+    """A small guess_number actor's config, task and model, and a store holding it as version 0."""
     config = load(data={
         "env": {"name": "guess_number", "kwargs": {"n": 8, "max_turns": 2}},
-        "actor": {"envs_per_actor": 64, "group_size": 2, "max_batch": 64},
-        "staleness": {"max_policy_lag": 1},
+        "actor": {"envs_per_actor": envs_per_actor, "group_size": 2, "max_batch": envs_per_actor},
+        "staleness": {"max_policy_lag": max_policy_lag},
         "sampling": {"max_new_tokens": 1}, "shapes": {"buckets": [8]}, "model": {"max_len": 8}})
     task = build.build_task(config)
     graphdef, params = build.init_params(config, task)
     weights = MemoryWeightStore(2)
     weights.publish(params_lib.to_host(params), 0)
+    return config, task, graphdef, params, weights
+
+
+@pytest.mark.timeout(240)
+def test_waiting_slots_queue_and_only_the_first_polls_admission():
+    """Refused slots wait their turn: the actor's polls are one waiter's, not one per slot."""
+    config, task, graphdef, _, weights = admission_setup(64, max_policy_lag=1)
     buffer = MemoryBuffer(capacity=1000)
     admission = CountingAdmission(AdmissionLimits.from_config(config), counts=buffer.counts)
     admission.learner_update(version=10, since_publish=0, handled=0, step_s=0.1)  # v0 too old
@@ -157,15 +163,7 @@ def test_spare_leases_save_round_trips_and_are_given_back_when_old(monkeypatch):
     from headrace.actor import actor as actor_module
     from headrace.actor.policy import WeightSync
 
-    config = load(data={
-        "env": {"name": "guess_number", "kwargs": {"n": 8, "max_turns": 2}},
-        "actor": {"envs_per_actor": 10, "group_size": 2, "max_batch": 10},
-        "staleness": {"max_policy_lag": 100},
-        "sampling": {"max_new_tokens": 1}, "shapes": {"buckets": [8]}, "model": {"max_len": 8}})
-    task = build.build_task(config)
-    graphdef, params = build.init_params(config, task)
-    weights = MemoryWeightStore(2)
-    weights.publish(params_lib.to_host(params), 0)
+    config, task, graphdef, params, weights = admission_setup(10, max_policy_lag=100)
     sampler = build.make_sampler(config, task, graphdef, seed=0)
     sampler.set_params(params, 0)
     admission = CountingAdmission(AdmissionLimits.from_config(config),
