@@ -156,9 +156,8 @@ class Actor:
                      time.perf_counter() - start)
         policy = BatchedPolicy(self.sampler, self.metrics, max_batch=actor.max_batch,
                                wait_s=actor.batch_wait_ms / 1e3, sync=sync)
-        g = actor.group_size
         # Each slot's environments; a slot replaces one whose call timed out (`_replace`).
-        slots = [[self.make_env() for _ in range(g)] for _ in range(actor.envs_per_actor // g)]
+        slots = [[self.make_env() for _ in range(actor.group_size)] for _ in range(self._slots)]
         tasks = [asyncio.create_task(policy.serve())]
         tasks += [asyncio.create_task(self._slot(envs, policy)) for envs in slots]
         failures: list[BaseException] = []
