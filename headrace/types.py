@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,15 @@ STATUSES = (STATUS_OK, STATUS_TRUNCATED, STATUS_ERROR)
 ROLES = ("system", "user", "assistant", "tool")
 
 EntryId = str
+
+
+def as_ints(values: Sequence[int]) -> list[int]:
+    """Token ids as Python ints: an integer array's in one C call (`tolist`; per-element
+    conversion of a short array costs more than the rest of a turn's bookkeeping), anything else
+    one by one."""
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu":
+        return values.tolist()
+    return [int(v) for v in values]
 
 
 @dataclasses.dataclass

@@ -33,6 +33,9 @@ from headrace.types import ROLES, SCHEMA_VERSION, STATUSES, Group, Trajectory, T
 
 _ARRAYS = {"tokens": "<i4", "loss_mask": "|b1", "behaviour_logprobs": "<f4", "policy_version": "<i4"}
 _TRAJECTORY_KEYS = frozenset(f.name for f in dataclasses.fields(Trajectory))
+_SCALARS = tuple(f.name for f in dataclasses.fields(Trajectory) if f.name not in _ARRAYS)
+_STRINGS = ("trajectory_id", "group_id", "task_id", "env", "actor_id", "status")
+_ROLES = frozenset(ROLES)
 _GROUP_KEYS = frozenset({"group_id", "task_id", "put_version"})
 _INT32 = (-(2**31), 2**31 - 1)
 
@@ -58,27 +61,34 @@ def _encode_array(array: np.ndarray, dtype: str) -> list:
     return [dtype, list(array.shape), array.tobytes()]
 
 
-def _decode_array(raw: Any, dtype: str, name: str) -> np.ndarray:
-    if not (isinstance(raw, list) and len(raw) == 3 and isinstance(raw[1], list)
-            and isinstance(raw[2], bytes)):
-        raise MalformedEntry(f"{name}: expected a [dtype, shape, bytes] array record", TYPE)
+def _decode_array(raw: Any, dtype: str, where: str, name: str) -> np.ndarray:
+    if not (type(raw) is list and len(raw) == 3 and type(raw[1]) is list
+            and type(raw[2]) is bytes):
+        raise MalformedEntry(f"{where}.{name}: expected a [dtype, shape, bytes] array record", TYPE)
     if raw[0] != dtype:
-        raise MalformedEntry(f"{name}: dtype {raw[0]!r}, expected {dtype!r}", TYPE)
-    shape = tuple(raw[1])
-    if len(shape) != 1 or not all(type(d) is int and d >= 0 for d in shape):
-        raise MalformedEntry(f"{name}: bad array shape {shape!r} (one length)", SHAPE)
+        raise MalformedEntry(f"{where}.{name}: dtype {raw[0]!r}, expected {dtype!r}", TYPE)
+    shape = raw[1]
+    if not (len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0):
+        raise MalformedEntry(f"{where}.{name}: bad array shape {shape!r} (one length)", SHAPE)
     if len(raw[2]) != shape[0] * np.dtype(dtype).itemsize:
-        raise MalformedEntry(f"{name}: {len(raw[2])} bytes do not fill shape {shape}", SHAPE)
+        raise MalformedEntry(f"{where}.{name}: {len(raw[2])} bytes do not fill shape {shape}",
+                             SHAPE)
     array = np.frombuffer(raw[2], dtype=dtype)
     return array.astype(np.dtype(dtype).newbyteorder("="), copy=False)
 
 
 def _encode_trajectory(t: Trajectory) -> dict:
-    record = {f.name: getattr(t, f.name) for f in dataclasses.fields(t) if f.name not in _ARRAYS}
+    record = {name: getattr(t, name) for name in _SCALARS}
     record["turns"] = [[u.start, u.end, u.role, u.reward] for u in t.turns]
     for name, dtype in _ARRAYS.items():
         record[name] = _encode_array(getattr(t, name), dtype)
     return record
+
+
+def _finite_float(value: Any) -> bool:
+    """Whether `value` is a finite Python float: the common case, checked without a call that
+    builds a message (inf - inf and NaN - NaN are NaN, which equals nothing)."""
+    return type(value) is float and value - value == 0.0
 
 
 def _real(value: Any, where: str) -> float:
@@ -117,6 +127,22 @@ def _keys(record: Any, expected: frozenset, where: str) -> dict:
     return record
 
 
+def _decode_turns(raw: Any, n: int, where: str) -> list[Turn]:
+    if type(raw) is not list:
+        raise MalformedEntry(f"{where}.turns: expected a list", TYPE)
+    turns = []
+    for k, t in enumerate(raw):
+        # The usual turn passes this test at once; any other goes through _decode_turn, which
+        # accepts everything this accepts and names what is wrong with the rest.
+        if (type(t) is list and len(t) == 4 and type(t[0]) is int and type(t[1]) is int
+                and 0 <= t[0] <= t[1] <= n and type(t[2]) is str and t[2] in _ROLES
+                and _finite_float(t[3])):
+            turns.append(Turn(t[0], t[1], t[2], t[3]))
+        else:
+            turns.append(_decode_turn(t, n, f"{where}.turns[{k}]"))
+    return turns
+
+
 def _decode_turn(raw: Any, n: int, where: str) -> Turn:
     if not (isinstance(raw, list) and len(raw) == 4):
         raise MalformedEntry(f"{where}: expected [start, end, role, reward]", TYPE)
@@ -132,31 +158,32 @@ def _decode_trajectory(record: Any, index: int) -> Trajectory:
     where = f"trajectory {index}"
     fields = dict(_keys(record, _TRAJECTORY_KEYS, where))
     for name, dtype in _ARRAYS.items():
-        fields[name] = _decode_array(fields[name], dtype, f"{where}.{name}")
+        fields[name] = _decode_array(fields[name], dtype, where, name)
     n = len(fields["tokens"])
     for name in _ARRAYS:
         if len(fields[name]) != n:
             raise MalformedEntry(f"{where}.{name}: {len(fields[name])} items, tokens has {n}",
                                  SHAPE)
-    for name in ("trajectory_id", "group_id", "task_id", "env", "actor_id", "status"):
-        _str(fields[name], f"{where}.{name}")
+    if not all(type(fields[name]) is str for name in _STRINGS):
+        for name in _STRINGS:
+            _str(fields[name], f"{where}.{name}")
     if fields["status"] not in STATUSES:
         raise MalformedEntry(f"{where}.status {fields['status']!r:.20}: one of {STATUSES}", RANGE)
     if fields["error"] is not None:
         _str(fields["error"], f"{where}.error")
-    if not isinstance(fields["turns"], list):
-        raise MalformedEntry(f"{where}.turns: expected a list", TYPE)
-    fields["turns"] = [_decode_turn(t, n, f"{where}.turns[{k}]")
-                       for k, t in enumerate(fields["turns"])]
-    fields["reward"] = _real(fields["reward"], f"{where}.reward")
+    fields["turns"] = _decode_turns(fields["turns"], n, where)
+    if not _finite_float(fields["reward"]):
+        fields["reward"] = _real(fields["reward"], f"{where}.reward")
     timings = fields["timings"]
-    if not isinstance(timings, dict):
+    if type(timings) is not dict:
         raise MalformedEntry(f"{where}.timings: expected a map of stage -> unix time", TYPE)
-    fields["timings"] = {_str(k, f"{where}.timings key"): _real(v, f"{where}.timings[{k}]")
-                         for k, v in timings.items()}
-    if not isinstance(fields["sampling"], dict):
+    if not all(type(k) is str and _finite_float(v) for k, v in timings.items()):
+        fields["timings"] = {_str(k, f"{where}.timings key"): _real(v, f"{where}.timings[{k}]")
+                             for k, v in timings.items()}
+    if type(fields["sampling"]) is not dict:
         raise MalformedEntry(f"{where}.sampling: expected a map", TYPE)
-    _int(fields["schema_version"], f"{where}.schema_version", SCHEMA_VERSION, SCHEMA_VERSION)
+    if fields["schema_version"] != SCHEMA_VERSION or type(fields["schema_version"]) is not int:
+        _int(fields["schema_version"], f"{where}.schema_version", SCHEMA_VERSION, SCHEMA_VERSION)
     _check_arrays(fields, where)
     return Trajectory(**fields)
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from headrace.model import params as params_lib
 from headrace.model.transformer import KVCache
+from headrace.types import as_ints
 
 
 class KeptCaches:
@@ -28,7 +29,9 @@ class KeptCaches:
         self._slots = slots
         self.pool: KVCache | None = None  # per layer (keys, values) [episodes + 1, slots, g, e]
         self.shapes = None  # the pool's shapes and dtypes (for compiling without it)
-        self._tokens: list[np.ndarray | None] = [None] * episodes  # what each slot holds
+        # What each slot holds, as Python ints: a list compares and copies in C, where a small
+        # array pays NumPy's per-call overhead several times per row (a few thousand rows a second)
+        self._tokens: list[list[int] | None] = [None] * episodes
 
     def ensure(self, params) -> None:
         """Makes the pool on first use."""
@@ -42,14 +45,14 @@ class KeptCaches:
         """How many of the context's leading tokens slot `slot` holds (at least one is left new)."""
         kept = self._tokens[slot]
         n = 0 if kept is None else min(len(kept), len(context) - 1)
-        return n if n and np.array_equal(kept[:n], np.asarray(context[:n])) else 0
+        return n if n and kept[:n] == as_ints(context[:n]) else 0
 
     def remember(self, slots: Sequence[int], contexts: Sequence[Sequence[int]],
                  generated: Sequence[np.ndarray]) -> None:
         """Notes what each slot now holds: every token fed through the model (the context, and
         the generated tokens but the last, which was sampled, not fed)."""
         for slot, context, tokens in zip(slots, contexts, generated):
-            self._tokens[slot] = np.concatenate([np.asarray(context, np.int32), tokens[:-1]])
+            self._tokens[slot] = as_ints(context) + as_ints(tokens[:-1])
 
     def forget(self, slot: int) -> None:
         """Slot `slot`'s episode has ended: the next episode there computes its context afresh.

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from headrace.types import Turn
+from headrace.types import Turn, as_ints
 
 
 class EpisodeBuilder:
@@ -44,18 +44,22 @@ class EpisodeBuilder:
 
     def _append(self, tokens: Sequence[int], generated: bool, logprobs: Sequence[float] = (),
                 version: int | Sequence[int] = -1) -> None:
+        tokens = as_ints(tokens)
         n = len(tokens)
-        self.tokens.extend(int(t) for t in tokens)
-        self._mask.extend([generated] * n)
-        self._logps.extend((float(x) for x in logprobs) if generated else [0.0] * n)
+        self.tokens += tokens
+        self._mask += [generated] * n
         if not generated:
-            self._versions.extend([-1] * n)
-        elif isinstance(version, (int, np.integer)):
-            self._versions.extend([int(version)] * n)
+            self._logps += [0.0] * n
+            self._versions += [-1] * n
+            return
+        self._logps += (logprobs.tolist() if isinstance(logprobs, np.ndarray)
+                        else [float(x) for x in logprobs])
+        if isinstance(version, (int, np.integer)):
+            self._versions += [int(version)] * n
         else:  # one version per token (an engine that changed weights mid-turn)
             if len(version) != n:
                 raise ValueError(f"{n} generated tokens but {len(version)} versions")
-            self._versions.extend(int(v) for v in version)
+            self._versions += as_ints(version)
 
     def add_observation(self, tokens: Sequence[int], role: str = "user") -> None:
         """A new turn of tokens the policy did not generate (loss mask 0)."""

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 
 from headrace.text.episode import EpisodeBuilder
 from headrace.text.jinja_template import ChatTemplateError, JinjaChatTemplate
+from headrace.types import as_ints
 
 MARK_START, MARK_END = "\U000f0000", "\U000f0001"  # transformers' control-token markers
 
@@ -193,7 +194,7 @@ class JinjaRenderer:
         message holds their text (without a final stop token, which the template writes)."""
         if not self._prompted:
             raise ValueError("add_generated before prompt(): the generation prompt is missing")
-        tokens = [int(t) for t in tokens]
+        tokens = as_ints(tokens)
         self.builder.add_generated(tokens, logprobs, version, continue_turn=True)
         text = self.tokenizer.decode_markup(tokens)
         self._text += text

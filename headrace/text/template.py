@@ -57,7 +57,7 @@ from headrace.text.episode import EpisodeBuilder
 from headrace.text.jinja_render import JinjaRenderer
 from headrace.text.jinja_template import JinjaChatTemplate
 from headrace.text.tokenizers import Tokenizer, TokenizerError, for_vocabulary
-from headrace.types import ROLES
+from headrace.types import ROLES, as_ints
 
 ROLE_TOKENS = {role: f"<|{role}|>" for role in ROLES}
 
@@ -205,7 +205,7 @@ class EpisodeRenderer:
         t = self.template
         header = [self._role_ids[role]] if t.role_tokens else []
         closer = [self.tokenizer.end_of_turn_id] if t.end_of_turn else []
-        return header + [int(x) for x in self.tokenizer.encode(text)] + closer
+        return header + as_ints(self.tokenizer.encode(text)) + closer
 
     def _close_generated(self) -> None:
         """Ends a generated turn the sampler did not end with <eos> (template tokens, mask 0)."""

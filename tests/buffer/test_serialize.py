@@ -62,6 +62,18 @@ def test_round_trip_keeps_every_field():
     assert back.oldest_version == 4 and back.started == 100.5
 
 
+def test_whole_numbers_where_floats_belong_decode_as_floats():
+    """A writer may send 2 for 2.0 (msgpack keeps ints): the checked path takes what the quick
+    one does not, so rewards and times come back as the same floats either way."""
+    rec = record(full_group())
+    ok = rec["trajectories"][0]
+    ok["turns"][1][3], ok["reward"], ok["timings"]["started"] = 1, -2, 100
+    back = decode(pack(rec)).trajectories[0]
+    assert back.turns[1] == Turn(2, 4, "assistant", 1.0) and type(back.turns[1].reward) is float
+    assert back.reward == -2.0 and type(back.reward) is float
+    assert back.timings["started"] == 100.0 and type(back.timings["started"]) is float
+
+
 def test_round_trip_of_big_arrays_is_exact():
     rng = np.random.default_rng(0)
     n = 5000
