@@ -294,7 +294,9 @@ class ActorConfig:
     num_actors: int = 1  # actor threads or processes
     envs_per_actor: int = 256  # concurrent episodes per actor (a multiple of group_size)
     group_size: int = 8  # trajectories per task (G)
-    cpu_threads: int = 1  # XLA CPU threads per actor process
+    # Kept so older configs load; must be 1. XLA:CPU (JAX 0.10) gives an actor process a thread
+    # per CPU it may use and ignores the flags that once set a count: pin with run.actor_cpus.
+    cpu_threads: int = 1
     max_batch: int = 512  # most episodes in one batched policy call
     batch_wait_ms: float = 2.0  # how long a policy call waits for more episodes to batch with
     max_restarts: int = 5  # processes and ray launchers: crashes in a row (each restarted with backoff 1, 2,
@@ -303,8 +305,11 @@ class ActorConfig:
     vllm: VLLMConfig = VLLMConfig()  # the vllm engine's server (docs/engines.md)
 
     def __post_init__(self):
-        for key in ("num_actors", "envs_per_actor", "group_size", "cpu_threads", "max_batch"):
+        for key in ("num_actors", "envs_per_actor", "group_size", "max_batch"):
             _check(getattr(self, key) >= 1, f"actor.{key}", getattr(self, key), "must be >= 1")
+        _check(self.cpu_threads == 1, "actor.cpu_threads", self.cpu_threads,
+               "must be 1: XLA gives an actor a thread per CPU it may use, so set the CPUs "
+               "instead (run.actor_cpus)")
         _check(self.max_restarts >= 0, "actor.max_restarts", self.max_restarts, "must be >= 0")
         _check(self.envs_per_actor % self.group_size == 0, "actor.envs_per_actor",
                self.envs_per_actor, f"must be a multiple of actor.group_size={self.group_size}")

@@ -135,7 +135,7 @@ def probe_main(config_data: dict[str, Any], cpus: tuple[int, ...], rows: tuple[i
     count plays `repeats` episodes in lockstep, one call per turn at that turn's context length,
     after one untimed episode that compiles their programs. Fresh weights: a call's cost does not
     depend on their values."""
-    worker._setup("probe", cpus, 0)  # the same process set-up as an actor's
+    worker._setup("probe", cpus)  # the same process set-up as an actor's
     import time
 
     import numpy as np

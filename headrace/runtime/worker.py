@@ -87,8 +87,7 @@ def stacks_on_signal() -> None:
         pass
 
 
-def _setup(name: str, cpus: tuple[int, ...], xla_threads: int,
-           supervised: bool = True) -> threading.Event:
+def _setup(name: str, cpus: tuple[int, ...], supervised: bool = True) -> threading.Event:
     """`supervised`: a child of the supervisor (it dies with it, Ctrl-C is the supervisor's);
     else a process on its own (`headrace actor`): SIGINT stops it like SIGTERM."""
     # stdout belongs to the supervisor (`--json` prints one object there): a child's output, even
@@ -102,12 +101,8 @@ def _setup(name: str, cpus: tuple[int, ...], xla_threads: int,
     libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
     if supervised and os.getppid() == 1:  # the supervisor died before we got here
         sys.exit(1)
-    if cpus:
+    if cpus:  # XLA:CPU sizes its thread pool by these (one CPU: one XLA thread)
         os.sched_setaffinity(0, cpus)
-    if xla_threads:
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = (f"{flags} --xla_cpu_multi_thread_eigen=false "
-                                   f"intra_op_parallelism_threads={xla_threads}").strip()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s")
     stacks_on_signal()
@@ -138,7 +133,7 @@ def learner_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: st
     """One learner process; with `processes` > 1, process `process_id` of a jax.distributed job
     whose coordinator listens on `coordinator` (host:port)."""
     name = "learner" if processes == 1 else f"learner-{process_id}"
-    stop = _setup(name, cpus, 1 if cpus else 0)
+    stop = _setup(name, cpus)
     with _recording(run_dir, name):
         _learner(config_data, run_dir, url, run_id, process_id, processes, coordinator, stop,
                  name)
@@ -192,7 +187,7 @@ def actor_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: str,
     is marked ended."""
     standalone = bool(name)
     name = name or f"actor-{index}"
-    stop = _setup(name, cpus, 0, supervised=not standalone)
+    stop = _setup(name, cpus, supervised=not standalone)
     if standalone:
         _actor(config_data, run_dir, url, run_id, index, stop, name, standalone)
         return

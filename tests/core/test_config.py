@@ -35,6 +35,8 @@ def test_example_loads_with_overrides():
      "1.0}: must name"),
     ("shapes.buckets=[64, 32]", "shapes.buckets=(64, 32): must be strictly increasing"),
     ("staleness.forced_lag=9", "staleness.forced_lag=9: must be in [0, staleness.max_policy_lag=4]"),
+    ("actor.cpu_threads=4", "actor.cpu_threads=4: must be 1: XLA gives an actor a thread per CPU it "
+     "may use, so set the CPUs instead (run.actor_cpus)"),
 ])
 def test_bad_values_name_key_value_and_allowed(override, message):
     with pytest.raises(ConfigError) as error:
