@@ -46,20 +46,21 @@ class EpisodeBuilder:
                 version: int | Sequence[int] = -1) -> None:
         tokens = as_ints(tokens)
         n = len(tokens)
+        if not generated:
+            logps, versions = [0.0] * n, [-1] * n
+        else:
+            logps = (logprobs.tolist() if isinstance(logprobs, np.ndarray)
+                     else [float(x) for x in logprobs])
+            if isinstance(version, (int, np.integer)):
+                versions = [int(version)] * n
+            else:  # one version per token (an engine that changed weights mid-turn)
+                versions = as_ints(version)
+                if len(versions) != n:
+                    raise ValueError(f"{n} generated tokens but {len(versions)} versions")
         self.tokens += tokens
         self._mask += [generated] * n
-        if not generated:
-            self._logps += [0.0] * n
-            self._versions += [-1] * n
-            return
-        self._logps += (logprobs.tolist() if isinstance(logprobs, np.ndarray)
-                        else [float(x) for x in logprobs])
-        if isinstance(version, (int, np.integer)):
-            self._versions += [int(version)] * n
-        else:  # one version per token (an engine that changed weights mid-turn)
-            if len(version) != n:
-                raise ValueError(f"{n} generated tokens but {len(version)} versions")
-            self._versions += as_ints(version)
+        self._logps += logps
+        self._versions += versions
 
     def add_observation(self, tokens: Sequence[int], role: str = "user") -> None:
         """A new turn of tokens the policy did not generate (loss mask 0)."""
@@ -77,18 +78,19 @@ class EpisodeBuilder:
         every token, or one per token.
 
         Raises:
-          ValueError: logprobs and tokens differ in length, or `continue_turn` without an open
-            assistant turn.
+          ValueError: logprobs or versions and tokens differ in length, or `continue_turn`
+            without an open assistant turn; the episode is left as it was.
         """
         if len(logprobs) != len(tokens):
             raise ValueError(f"{len(tokens)} generated tokens but {len(logprobs)} log-probs")
-        if continue_turn:
-            if not self.turns or self.turns[-1].role != "assistant":
-                raise ValueError("continue_turn needs an assistant turn opened by open_turn")
-            self.turns[-1].end += len(tokens)
-        else:
-            self.turns.append(Turn(self.length, self.length + len(tokens), "assistant"))
+        if continue_turn and (not self.turns or self.turns[-1].role != "assistant"):
+            raise ValueError("continue_turn needs an assistant turn opened by open_turn")
+        start = self.length
         self._append(tokens, generated=True, logprobs=logprobs, version=version)
+        if continue_turn:
+            self.turns[-1].end = self.length
+        else:
+            self.turns.append(Turn(start, self.length, "assistant"))
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Appends non-generated tokens (loss mask 0) to the last turn (e.g. an end-of-turn).

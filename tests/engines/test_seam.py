@@ -3,6 +3,7 @@ and EpisodeBuilder, WeightSync driving a store-loading engine, the JAX-free work
 the server's errors when vLLM's environment is missing."""
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 
@@ -104,8 +105,12 @@ def test_per_token_versions_reach_the_episode_record():
     builder.add_generated([4], [0.0], 2)
     assert builder.arrays()[3].tolist() == [-1, -1, 0, 0, 1, 2]
     assert builder.newest_version == 2
+    before = [a.tolist() for a in builder.arrays()], [dataclasses.astuple(t) for t in builder.turns]
     with pytest.raises(ValueError, match="versions"):
         builder.add_generated([1, 2], [0.0, 0.0], [1])
+    # refused whole: a turn or tokens half added would shift every later turn's span
+    assert ([a.tolist() for a in builder.arrays()],
+            [dataclasses.astuple(t) for t in builder.turns]) == before
 
 
 def test_weight_sync_tells_a_store_loading_engine_the_version_and_falls_back_when_gone():
