@@ -28,9 +28,12 @@ EntryId = str
 
 
 def as_ints(values: Sequence[int]) -> list[int]:
-    """Token ids as Python ints: an integer array's in one C call (`tolist`; per-element
-    conversion of a short array costs more than the rest of a turn's bookkeeping), anything else
-    one by one."""
+    """Token ids as a list of Python ints: an integer array's in one C call (`tolist`; per-element
+    conversion of a short array costs more than the rest of a turn's bookkeeping), a list as it is
+    (the context lists passed around are built of ints already: converting them again would be a
+    Python loop per token; the list is returned, not copied), anything else one by one."""
+    if isinstance(values, list):
+        return values
     if isinstance(values, np.ndarray) and values.dtype.kind in "iu":
         return values.tolist()
     return [int(v) for v in values]
