@@ -190,17 +190,18 @@ def train(config, seed: int, max_wall_s: float, eval_every: int, max_steps: int)
     probe.close()
     updates_per_step = config.learner.minibatches * config.learner.epochs
     key = jax.random.key(seed)
-    curve, loop_s, step, ttt = [], 0.0, 0, None
+    curve, loop_s, cpu_s, step, ttt = [], 0.0, 0.0, 0, None
     compile_start = time.perf_counter()
     compiled = step_fn.lower(params, opt_state, key).compile()
     compile_s = time.perf_counter() - compile_start
     loop_s += compile_s
     while loop_s < max_wall_s and (not max_steps or step < max_steps):
         key, sub = jax.random.split(key)
-        begin = time.perf_counter()
+        begin, cpu_begin = time.perf_counter(), time.process_time()
         params, opt_state, reward, success = compiled(params, opt_state, sub)
         reward.block_until_ready()  # the loop's clock: one host sync per iteration (intended)
         loop_s += time.perf_counter() - begin
+        cpu_s += time.process_time() - cpu_begin  # every thread of the process (XLA's too)
         step += 1
         if step % eval_every == 0 or (max_steps and step == max_steps):
             sampler.set_params(params, step)
@@ -219,6 +220,8 @@ def train(config, seed: int, max_wall_s: float, eval_every: int, max_steps: int)
             "updates": step * updates_per_step, "loop_s": round(loop_s, 2),
             "compile_s": round(compile_s, 2),
             "iteration_s": (loop_s - compile_s) / step if step else None,
+            "cpu_s_per_step": cpu_s / step if step else None,
+            "cores_busy": cpu_s / (loop_s - compile_s) if loop_s > compile_s else None,
             "rollout_s": rollout_s, "update_s": update_s,
             "final_success": curve[-1]["success"] if curve else None, "eval_curve": curve}
 
@@ -242,13 +245,53 @@ def _split_timings(bare: Bare, params, opt_state, key, repeats: int = 5) -> tupl
     return tuple(sorted(v)[len(v) // 2] for v in (times["rollout"], times["update"]))
 
 
-def headrace_time(run_dir: pathlib.Path) -> float | None:
-    """A finished `headrace train` run's time to target (its summary.json)."""
+def headrace_run(run_dir: pathlib.Path) -> dict:
+    """A finished `headrace train` run's time to target (its summary.json) and the CPU its
+    learner and actor processes spent per learner step over the steady state (metrics.jsonl:
+    `learner/cpu_frac` and `learner/steps_per_s` since the first step, compiling steps left
+    out; `actor/cpu_frac`, the median of its ~2 s readings, times `actor.num_actors`). The
+    embedded Redis and the supervisor are not counted; None where the run has no such figures
+    (the threads launcher)."""
+    import numpy as np
+
+    from headrace.config import ConfigError, load
+    from headrace.metrics.records import read_records
+
     path = run_dir / "summary.json"
     if not path.is_file():
         raise SystemExit(f"headrace bench bare: --headrace-run {run_dir}: no summary.json there "
                          "(give the folder of a finished `headrace train` run)")
-    return json.loads(path.read_text()).get("time_to_target_s")
+    try:
+        config = load(run_dir / "config.yaml")
+        records = read_records(run_dir)
+    except (ConfigError, OSError, ValueError) as error:
+        raise SystemExit(f"headrace bench bare: --headrace-run {run_dir}: {error}") from None
+    last: dict = {}
+    for record in records:
+        last.update(record)
+    readings = [r["actor/cpu_frac"] for r in records
+                if "actor/cpu_frac" in r and r.get("learner/step", 0) >= 1]
+    cpu_s_per_step = None
+    if last.get("learner/cpu_frac") and last.get("learner/steps_per_s") and readings:
+        cores = last["learner/cpu_frac"] + float(np.median(readings)) * config.actor.num_actors
+        cpu_s_per_step = cores / last["learner/steps_per_s"]
+    summary = json.loads(path.read_text())
+    reached = [p["step"] for p in summary.get("eval_curve", [])
+               if p["success_rate"] >= config.run.eval_target]
+    return {"run_dir": str(run_dir), "time_to_target_s": summary.get("time_to_target_s"),
+            "steps_to_target": reached[0] if reached else None, "cpu_s_per_step": cpu_s_per_step}
+
+
+def _median(values: list) -> float | None:
+    """The median of the values that are not None (the upper middle of an even count)."""
+    done = sorted(v for v in values if v is not None)
+    return done[len(done) // 2] if done else None
+
+
+def _ratio(headrace: list, bare: list) -> float | None:
+    """Median over median; None when either side has none."""
+    top, bottom = _median(headrace), _median(bare)
+    return top / bottom if top and bottom else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     reached = [r["time_to_target_s"] for r in runs if r["time_to_target_s"] is not None]
     result = {
         "runs": runs,
-        "time_to_target_s": sorted(reached)[len(reached) // 2] if reached else None,
+        "time_to_target_s": _median(reached),
         "reached": f"{len(reached)}/{len(runs)}",
         "settings": {"config": str(args.config), "overrides": args.set,
                      "target": config.run.eval_target, "eval_every": eval_every,
@@ -298,12 +341,19 @@ def main(argv: list[str] | None = None) -> int:
                      "updates_per_step": config.learner.minibatches * config.learner.epochs},
     }
     if args.headrace_run:
-        times = [headrace_time(p) for p in args.headrace_run]
+        compared = [headrace_run(p) for p in args.headrace_run]
+        times = [c["time_to_target_s"] for c in compared]
         result["headrace_time_to_target_s"] = times
-        done = sorted(t for t in times if t is not None)
-        median = done[len(done) // 2] if done else None
-        result["headrace_over_bare"] = (median / result["time_to_target_s"]
-                                        if median and result["time_to_target_s"] else None)
+        result["headrace_cpu_s_per_step"] = [c["cpu_s_per_step"] for c in compared]
+        result["headrace_over_bare"] = _ratio(times, [r["time_to_target_s"] for r in runs])
+        # What the time ratio is made of where both keep the machine's cores busy: the CPU a
+        # learner step costs each, and the steps each needs to the target.
+        result["cpu_per_step_over_bare"] = _ratio(result["headrace_cpu_s_per_step"],
+                                                  [r["cpu_s_per_step"] for r in runs])
+        result["headrace_steps_to_target"] = [c["steps_to_target"] for c in compared]
+        result["steps_over_bare"] = _ratio(
+            result["headrace_steps_to_target"],
+            [r["steps"] if r["time_to_target_s"] is not None else None for r in runs])
     benchlib.emit(result, as_json=args.json, title="bare single-process JAX loop")
     return 0
 

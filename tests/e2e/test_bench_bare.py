@@ -70,4 +70,35 @@ def test_quick_bare_run_reports_a_curve():
     for point in run["eval_curve"]:
         assert 0 <= point["success"] <= 1 and point["wall_s"] >= run["compile_s"]
     assert run["rollout_s"] > 0 and run["update_s"] > 0
+    assert run["cpu_s_per_step"] > 0 and run["cores_busy"] > 0
     assert data["reached"].endswith("/1")
+
+
+def test_a_headrace_run_is_read_for_the_comparison(tmp_path):
+    """Time and steps to the target from the run's summary (the first evaluation at it), CPU per
+    step from its steady-state metrics: the learner's since its first step plus each actor's
+    median reading, over the learner's steps per second."""
+    bare = _bench()
+    text = (ROOT / "examples" / "guess_number.yaml").read_text()
+    (tmp_path / "config.yaml").write_text(text.replace("num_actors: 1", "num_actors: 2"))
+    curve = [{"wall_s": 10.0, "step": 40, "success_rate": 0.5},
+             {"wall_s": 20.0, "step": 80, "success_rate": 0.9},
+             {"wall_s": 30.0, "step": 120, "success_rate": 0.95}]
+    (tmp_path / "summary.json").write_text(json.dumps({"time_to_target_s": 20.5,
+                                                       "eval_curve": curve}))
+    records = [{"time": 1.0, "step": 0, "actor/cpu_frac": 5.0},  # before the first step: not read
+               {"time": 2.0, "step": 1, "learner/step": 1, "actor/cpu_frac": 0.7},
+               {"time": 3.0, "step": 2, "learner/step": 2, "actor/cpu_frac": 0.8},
+               {"time": 4.0, "step": 3, "learner/step": 3, "actor/cpu_frac": 0.9,
+                "learner/cpu_frac": 0.9, "learner/steps_per_s": 10.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    got = bare.headrace_run(tmp_path)
+    assert got["time_to_target_s"] == 20.5 and got["steps_to_target"] == 80
+    assert got["cpu_s_per_step"] == pytest.approx((0.9 + 0.8 * 2) / 10.0)
+    assert bare._ratio([3.0, None, 1.0, 2.0], [None, 4.0]) == pytest.approx(0.5)
+    assert bare._ratio([None], [1.0]) is None
+
+
+def test_a_folder_without_a_summary_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="no summary.json there"):
+        _bench().headrace_run(tmp_path)
