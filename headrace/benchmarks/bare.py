@@ -249,9 +249,9 @@ def headrace_run(run_dir: pathlib.Path) -> dict:
     """A finished `headrace train` run's time to target (its summary.json) and the CPU its
     learner and actor processes spent per learner step over the steady state (metrics.jsonl:
     `learner/cpu_frac` and `learner/steps_per_s` since the first step, compiling steps left
-    out; `actor/cpu_frac`, the median of its ~2 s readings, times `actor.num_actors`). The
-    embedded Redis and the supervisor are not counted; None where the run has no such figures
-    (the threads launcher)."""
+    out; `actor/cpu_frac`, the median of its ~2 s readings, times `actor.num_actors`; under the
+    threads launcher both read the one process, the learner's figure alone). The embedded Redis
+    and the supervisor are not counted; None where the run has no such figures."""
     import numpy as np
 
     from headrace.config import ConfigError, load
@@ -272,8 +272,11 @@ def headrace_run(run_dir: pathlib.Path) -> dict:
     readings = [r["actor/cpu_frac"] for r in records
                 if "actor/cpu_frac" in r and r.get("learner/step", 0) >= 1]
     cpu_s_per_step = None
-    if last.get("learner/cpu_frac") and last.get("learner/steps_per_s") and readings:
-        cores = last["learner/cpu_frac"] + float(np.median(readings)) * config.actor.num_actors
+    one_process = config.run.launcher == "threads"
+    if last.get("learner/cpu_frac") and last.get("learner/steps_per_s") and (readings
+                                                                            or one_process):
+        cores = last["learner/cpu_frac"] + (0.0 if one_process else float(np.median(readings))
+                                            * config.actor.num_actors)
         cpu_s_per_step = cores / last["learner/steps_per_s"]
     summary = json.loads(path.read_text())
     reached = [p["step"] for p in summary.get("eval_curve", [])

@@ -128,6 +128,7 @@ def _settle_gc() -> None:
     its CPU and its actor 13 % in the collector, mostly full collections walking ~300,000
     start-up objects about once a second; after, under 1 %, and the learner's cyclic garbage is
     still collected (as many objects, the same memory; docs/runtime.md)."""
+    gc.collect()  # start-up's garbage first: what is frozen is never collected
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 

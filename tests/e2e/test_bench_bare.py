@@ -95,6 +95,10 @@ def test_a_headrace_run_is_read_for_the_comparison(tmp_path):
     got = bare.headrace_run(tmp_path)
     assert got["time_to_target_s"] == 20.5 and got["steps_to_target"] == 80
     assert got["cpu_s_per_step"] == pytest.approx((0.9 + 0.8 * 2) / 10.0)
+    threads = text.replace("launcher: processes", "launcher: threads")
+    assert threads != text
+    (tmp_path / "config.yaml").write_text(threads)  # one process: the learner's figure is all
+    assert bare.headrace_run(tmp_path)["cpu_s_per_step"] == pytest.approx(0.9 / 10.0)
     assert bare._ratio([3.0, None, 1.0, 2.0], [None, 4.0]) == pytest.approx(0.5)
     assert bare._ratio([None], [1.0]) is None
 
