@@ -2,7 +2,8 @@
 
 Each child ties its life to the supervisor (SIGKILL when the parent dies, Linux PR_SET_PDEATHSIG),
 turns SIGTERM/SIGINT into its stop event, pins itself to its CPUs and limits XLA's threads before
-JAX is imported, then builds its component from the config and runs it. Metrics go to Redis
+JAX is imported, then builds its component from the config, tunes Python's cyclic collector for a
+long run (`_settle_gc`) and runs it. Metrics go to Redis
 (`headrace.metrics.remote`). A child that fails logs the error and exits non-zero; the supervisor
 restarts actors with backoff and ends the run when the learner fails. The reason travels in a
 file, RUN_DIR/failures/NAME.json (`record_failure`; written even when Redis is what failed), which
@@ -126,8 +127,8 @@ def _settle_gc() -> None:
     model) leaves the cyclic collector's scans (`gc.freeze`), and young collections come every
     GC_YOUNG_THRESHOLD net allocations. With Python's defaults the example's learner spent 7 % of
     its CPU and its actor 13 % in the collector, mostly full collections walking ~300,000
-    start-up objects about once a second; after, under 1 %, and the learner's cyclic garbage is
-    still collected (as many objects, the same memory; docs/runtime.md)."""
+    start-up objects about once a second; after, 0.5 % and 1.4 %, and the learner's cyclic
+    garbage is still collected (as many objects, the same memory; docs/runtime.md)."""
     gc.collect()  # start-up's garbage first: what is frozen is never collected
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
