@@ -29,6 +29,7 @@ import dataclasses
 import json
 import math
 import pathlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -313,12 +314,14 @@ def predict(m: Measured, actors: int, envs_per_actor: int, duration_s: float,
 
 
 def recommend(m: Measured, *, target: float, headroom: float, duration_s: float,
-              admit_pool: bool = False, max_envs: int | None = None) -> dict:
+              admit_pool: bool = False, max_envs: int | None = None,
+              progress: Callable[[str], None] | None = None) -> dict:
     """The smallest simulated pool reaching `target` with mean lag within the limit.
 
     `admit_pool`: each pool is simulated with the staleness limit and buffer that admit it
     (`admitting_limits`) instead of the measured run's, and the recommendation says which.
-    `max_envs`: no candidate pool is larger."""
+    `max_envs`: no candidate pool is larger. `progress` is told of each pool as its simulation
+    starts (a fast pipeline's takes tens of seconds: events per episode turn)."""
     law = little(m, headroom)
     cap = envs_cap(m)
     g = m.group_size
@@ -330,7 +333,10 @@ def recommend(m: Measured, *, target: float, headroom: float, duration_s: float,
     pools = {split_pool(int(min(size, largest)), cap, g) for size in sizes}
     candidates = sorted(pools, key=lambda p: p[0] * p[1])
     points = []
-    for actors, per in candidates:
+    for index, (actors, per) in enumerate(candidates):
+        if progress is not None:
+            progress(f"simulating pool {index + 1}/{len(candidates)}: {actors} actor(s) x {per} "
+                     f"envs, {duration_s:g} simulated s")
         limits = (admitting_limits(actors * per, g, m.config.learner.groups_per_batch)
                   if admit_pool else None)
         lag = limits[0] if limits else m.config.staleness.max_policy_lag
@@ -382,17 +388,18 @@ def bottleneck(m: Measured, target: float) -> tuple[str, str]:
 
 def analyze(run_dir: str | pathlib.Path, *, target: float = 0.95, headroom: float = 1.2,
             duration_s: float = 300.0, plot: bool = True, admit_pool: bool = False,
-            measured: Measured | None = None, max_envs: int | None = None) -> dict:
+            measured: Measured | None = None, max_envs: int | None = None,
+            progress: Callable[[str], None] | None = None) -> dict:
     """The audit report of a run folder; also written to RUN_DIR/audit.json (and audit.png).
     `admit_pool`: size the staleness limit and buffer to each pool (`recommend`); `measured`:
     the folder's measurements as `read_run` (and `with_probe`) gave them; `max_envs`: the
-    largest pool to simulate."""
+    largest pool to simulate; `progress`: as `recommend`'s."""
     run_dir = pathlib.Path(run_dir)
     m = measured or read_run(run_dir)
     c = m.config
     name, why = bottleneck(m, target)
     rec = recommend(m, target=target, headroom=headroom, duration_s=duration_s,
-                    admit_pool=admit_pool, max_envs=max_envs)
+                    admit_pool=admit_pool, max_envs=max_envs, progress=progress)
     fixed_s, per_row_s = fit_inference(m.calls)
     report = {
         "run_dir": str(run_dir),

@@ -82,7 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         m = audit.read_run(run_dir)
         report = audit.analyze(run_dir, target=args.target, headroom=args.headroom,
                                duration_s=args.horizon, admit_pool=args.admit_pool,
-                               measured=with_probe(m) if args.probe else m)
+                               measured=with_probe(m) if args.probe else m,
+                               progress=lambda line: print(f"headrace audit: {line}",
+                                                           file=sys.stderr, flush=True))
     except ConfigError as error:
         print(f"headrace audit: error: {error}", file=sys.stderr)
         return 2

@@ -94,6 +94,7 @@ def test_audit_of_a_run_folder_sizes_the_pool_and_plots(traced_run):
     assert json.loads((traced_run / "audit.json").read_text())["bottleneck"] == \
         report["bottleneck"]
     assert "bottleneck" in result.stderr  # the readable report
+    assert f"simulating pool 1/{len(rec['sweep'])}" in result.stderr  # never a silent wait
 
 
 def test_admit_pool_sizes_each_pools_limit_to_admit_it(traced_run):
@@ -109,8 +110,12 @@ def test_admit_pool_sizes_each_pools_limit_to_admit_it(traced_run):
         assert point["max_policy_lag"] == audit.admitting_limits(point["envs"], 8, gpb)[0]
     assert rec["max_policy_lag"] == audit.admitting_limits(
         rec["actors"] * rec["envs_per_actor"], 8, gpb)[0]
-    kept = audit.recommend(m, target=0.95, headroom=1.2, duration_s=30.0)
+    told: list[str] = []
+    kept = audit.recommend(m, target=0.95, headroom=1.2, duration_s=30.0, progress=told.append)
     assert {p["max_policy_lag"] for p in kept["sweep"]} == {m.config.staleness.max_policy_lag}
+    assert told == [f"simulating pool {i + 1}/{len(kept['sweep'])}: {p['actors']} actor(s) x "
+                    f"{p['envs_per_actor']} envs, 30 simulated s"
+                    for i, p in enumerate(kept["sweep"])]
 
 
 def test_actor_costs_charge_each_turns_work_to_its_row(traced_run):
