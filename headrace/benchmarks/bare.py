@@ -242,7 +242,7 @@ def _split_timings(bare: Bare, params, opt_state, key, repeats: int = 5) -> tupl
         begin = time.perf_counter()
         jax.block_until_ready(update(params, opt_state, *data[:4]))
         times["update"].append(time.perf_counter() - begin)
-    return tuple(sorted(v)[len(v) // 2] for v in (times["rollout"], times["update"]))
+    return _median(times["rollout"]), _median(times["update"])
 
 
 def headrace_run(run_dir: pathlib.Path) -> dict:
@@ -271,13 +271,13 @@ def headrace_run(run_dir: pathlib.Path) -> dict:
         last.update(record)
     readings = [r["actor/cpu_frac"] for r in records
                 if "actor/cpu_frac" in r and r.get("learner/step", 0) >= 1]
+    if config.run.launcher == "threads":  # both figures read the one process: the learner's
+        actors = 0.0
+    else:
+        actors = float(np.median(readings)) * config.actor.num_actors if readings else None
     cpu_s_per_step = None
-    one_process = config.run.launcher == "threads"
-    if last.get("learner/cpu_frac") and last.get("learner/steps_per_s") and (readings
-                                                                            or one_process):
-        cores = last["learner/cpu_frac"] + (0.0 if one_process else float(np.median(readings))
-                                            * config.actor.num_actors)
-        cpu_s_per_step = cores / last["learner/steps_per_s"]
+    if actors is not None and last.get("learner/cpu_frac") and last.get("learner/steps_per_s"):
+        cpu_s_per_step = (last["learner/cpu_frac"] + actors) / last["learner/steps_per_s"]
     summary = json.loads(path.read_text())
     reached = [p["step"] for p in summary.get("eval_curve", [])
                if p["success_rate"] >= config.run.eval_target]
