@@ -1,6 +1,6 @@
 """The records every component shares: trajectories, groups and buffer entries.
 
-A `Trajectory` is one recorded episode exactly as the policy saw it (DESIGN.md, "Trajectory and
+A `Trajectory` is one recorded episode exactly as the policy saw it (docs/design.md, "Trajectory and
 group"); a `Group` is the G trajectories an actor produced for one task, the unit the buffer stores.
 Arrays are NumPy (never JAX): these records cross process boundaries and are serialized by
 `headrace.buffer.serialize`.

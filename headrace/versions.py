@@ -1,5 +1,5 @@
 """The weights version a group will be trained at: the one forecast that admission, its Redis
-script, the simulator and the learner's look-ahead share (DESIGN.md "Admission").
+script, the simulator and the learner's look-ahead share (docs/design.md, "Admission").
 
 With the learner at version `v`, `s` steps since its last publish, a publish every
 `publish_every` steps and the group in the `b`-th batch from now (1: the next step trains it),

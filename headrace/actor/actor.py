@@ -283,7 +283,7 @@ class Actor:
                             self.actor_id, abandoned[0].error)
 
     async def _admit(self):
-        """Waits for admission (DESIGN.md "Admission"); None when there is none, or on stop.
+        """Waits for admission (docs/design.md, "Admission"); None when there is none, or on stop.
 
         Slots queue for their turn (first come, first served) and only the slot at the head polls
         the store: hundreds of slots polling at once would spend the actor's core, and the

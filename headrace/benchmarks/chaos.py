@@ -16,7 +16,7 @@ fraction of a second) it SIGKILLs one of:
     with its parent), then `--resume`.
 
 After each fault, once the run is down (learner, tree) or has trained two more steps (actor,
-redis), the accounting identity of DESIGN.md is checked exactly, by group id, from the ledger
+redis), the accounting identity (docs/design.md) is checked exactly, by group id, from the ledger
 (`headrace.runtime.accounting`): written = trained + dropped (by reason) + quarantined + in the
 buffer, nothing lost, nothing trained twice. A live run is paused for the check (SIGSTOP to its
 process group, SIGCONT after), so no put, acknowledgement or checkpoint lands between two reads.

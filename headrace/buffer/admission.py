@@ -1,4 +1,4 @@
-"""Admission control (DESIGN.md, "Admission"): an actor starts a group only if it would be trained
+"""Admission control (docs/design.md, "Admission"): an actor starts a group only if it would be trained
 within the lag limit.
 
 The forecast. With the learner at version `v`, `s` steps since its last publish, `Q` groups ahead of

@@ -1,4 +1,4 @@
-"""Admission in Redis, for actors in other processes or on other hosts (DESIGN.md, "Scaling out").
+"""Admission in Redis, for actors in other processes or on other hosts (docs/design.md, "Scaling out").
 
 Keys of one run and shard, next to the buffer's (the `{RUN:SHARD}` hash tag keeps them in one
 Redis Cluster slot with the stream, so one script may read them all):

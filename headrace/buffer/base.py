@@ -1,4 +1,4 @@
-"""The buffer contract (DESIGN.md, "Buffer contract") shared by every backend.
+"""The buffer contract (docs/design.md, "Buffer contract") shared by every backend.
 
 Delivery is at least once: an entry handed out by `get` and not acknowledged is handed out again,
 to a restarted learner or to another consumer after `claim_idle_s`. `put` applies backpressure:

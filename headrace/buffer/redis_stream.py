@@ -69,7 +69,7 @@ class RedisBuffer(Buffer):
       max_pending: delivered, unacknowledged entries at most (over all consumers).
       claim_idle_s: pending entries idle this long are claimed by a `get`.
       password: Redis AUTH password (for a URL client).
-      shard: the stream shard (DESIGN.md, "Buffer shards").
+      shard: the stream shard (docs/design.md, "Scaling out").
       retry_s: how long a lost connection is retried before `BufferError`.
       socket_timeout_s: a Redis reply slower than this counts as a lost connection.
       ledger: record written group ids (see the module docstring); None follows the run's flag

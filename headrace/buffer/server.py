@@ -1,4 +1,4 @@
-"""The embedded Redis: a local `redis-server` child process owned by the run (DESIGN.md, "Runtime").
+"""The embedded Redis: a local `redis-server` child process owned by the run (docs/design.md, "Components").
 
 `RedisServer(dir)` starts `redis-server` on a free loopback port with append-only persistence in
 `dir` (the run folder's `redis/`), waits until it answers PING, and stops it on exit. Starting again

@@ -1,4 +1,4 @@
-"""Buffer shards (DESIGN.md, "Scaling out"): several Redis streams that act as one buffer.
+"""Buffer shards (docs/design.md, "Scaling out"): several Redis streams that act as one buffer.
 
 `buffer.shards: N` puts N streams on one Redis; `buffer.urls: [...]` puts one on each server. Each
 shard is a whole `RedisBuffer` (its own stream, quarantine, reservations, ledger, keys tagged

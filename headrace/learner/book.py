@@ -1,7 +1,7 @@
 """The learner's acknowledgement book: which entries it holds, handled, trained and has not yet
 acknowledged; its checkpoints and its ledger. The only place the learner persists anything.
 
-Acknowledgement (DESIGN.md, "Buffer contract"). With a checkpointer and `run.checkpoint_every` > 0
+Acknowledgement (docs/design.md, "Buffer contract"). With a checkpointer and `run.checkpoint_every` > 0
 (`periodic`) entries are acknowledged only once a checkpoint that covers them is complete on
 disk; otherwise right after their step (a crash then loses them). A periodic checkpoint of one
 learner process is written in the background where `run.checkpoint_write` says so ("auto": on an

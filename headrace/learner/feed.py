@@ -7,7 +7,7 @@ batch are carried, and gated again when used (a later version may find them too 
 `look_ahead` gathers the next batch from what is queued already, without waiting, while the
 device trains the current one, so batch building leaves the critical path.
 
-What the feed admits (DESIGN.md, "Invariants"): an entry its checkpoint covers is skipped
+What the feed admits (docs/design.md, "Invariants"): an entry its checkpoint covers is skipped
 (`buffer/redelivered_skipped`); a group whose token ids reach past the model's vocabulary is
 quarantined through the buffer (an embedding lookup out of range would turn the weights into
 NaN); a group the gate refuses is dropped (counted by reason). Skips and drops are recorded in the

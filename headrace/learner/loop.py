@@ -16,7 +16,7 @@ the current version, which is what the gate measures lag against. While the devi
 the training thread gathers and builds step k+1's batch from what is already queued, gated at the
 version step k+1 will be trained at (known in advance: one more when step k publishes).
 
-Checkpoints and acknowledgement (DESIGN.md, "Buffer contract"; details in `learner.book`). With a
+Checkpoints and acknowledgement (docs/design.md, "Buffer contract"; details in `learner.book`). With a
 checkpointer and `run.checkpoint_every` > 0 the learner saves every `checkpoint_every` steps and
 only then acknowledges the entries handled (trained, dropped, skipped); after a crash the restarted
 learner restores the latest checkpoint: entries trained after it come back and are trained again,
@@ -30,7 +30,7 @@ Redelivery never trains a group twice: an entry redelivered while this learner s
 discarded on arrival (`buffer/redelivered_held`); one its checkpoint covers is skipped; and the
 processes of one learner never claim each other's entries (`Buffer.share_with`).
 
-Bad data (DESIGN.md, "Invariants"). The feed quarantines, through the buffer, a group whose token
+Bad data (docs/design.md, "Invariants"). The feed quarantines, through the buffer, a group whose token
 ids reach past the model's vocabulary. An update whose loss or gradient norm is not finite is
 skipped inside the train step and counted (`learner/skipped_nonfinite`);
 `learner.max_nonfinite_steps` consecutive such steps end the run with `NonFiniteSteps`, the

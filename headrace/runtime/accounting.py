@@ -1,4 +1,4 @@
-"""The accounting identity of DESIGN.md, checked exactly, by group id, from a run's ledger.
+"""The accounting identity (docs/design.md), checked exactly, by group id, from a run's ledger.
 
 written = trained + dropped (by reason) + quarantined + still in the buffer, with nothing lost and
 nothing trained twice. `accounting` gathers the sets from the run folder (run.json, ledger/,

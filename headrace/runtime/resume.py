@@ -21,7 +21,8 @@ and, before each checkpoint save, a `checkpoint` marker followed by an fsync. A 
 restored checkpoint K writes `restored: K` in its first line: every record after K's marker was
 lost with the crash (those entries were never acknowledged, so they come back and are handled
 again). `history` replays each process's files that way; `headrace.runtime.accounting` checks the
-identity of DESIGN.md, written = trained ∪ dropped ∪ quarantined ∪ in the buffer, exactly, by id.
+identity (docs/design.md, "Buffer contract"), written = trained ∪ dropped ∪ quarantined ∪ in
+the buffer, exactly, by id.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The discrete-event model of the pipeline behind `headrace simulate` (SimPy).
 
 Everything runs inside one `simpy.Environment` (one thread, simulated seconds); nothing blocks for
-real. The parts mirror DESIGN.md: admission control ("Admission"), the bounded buffer with
+real. The parts mirror docs/design.md: admission control ("Admission"), the bounded buffer with
 backpressure ("Buffer contract"), the learner's reader, staleness gate and train loop (`Pipeline`).
 The weight store's versions and each actor's pickup of them (`WeightTracker`) and the `Trace` of
 raw observations, from which `headrace.sim.simulate.summarize` computes the report, live in
@@ -25,11 +25,11 @@ from headrace.versions import batches_for, too_many_ready, trained_at_version
 
 
 class Admission:
-    """DESIGN.md "Admission": a slot starts a group only if it would be trained within the lag.
+    """Admission (docs/design.md): a slot starts a group only if it would be trained within the lag.
 
     `ahead` counts the groups admitted and not yet trained or dropped (in flight, put-blocked,
     buffered, read, training). With `k` learner steps done, a new group is forecast to be trained at
-    version `(k + ceil((ahead + 1) / groups_per_batch) - 1) // publish_every`, which is DESIGN.md's
+    version `(k + ceil((ahead + 1) / groups_per_batch) - 1) // publish_every`, which is admission's
     `v + floor((s + ceil(Q / groups_per_batch) - 1) / publish_every)`; its actor may start it if its
     weights version is at least that minus `max_policy_lag`. Waiting slots are served oldest request
     first among the actors whose weights allow it, whenever the forecast can have changed (a step
@@ -157,7 +157,7 @@ class SimBuffer:
     """The bounded buffer: a put blocks while depth (plus puts in progress) >= capacity.
 
     Blocked puts are served in order as the learner's reads free room; `depth` is the number of
-    landed, unread groups (what DESIGN.md's capacity bounds).
+    landed, unread groups (what the buffer's capacity bounds).
     """
 
     def __init__(self, env: simpy.Environment, spec: BufferSpec, rng: np.random.Generator,

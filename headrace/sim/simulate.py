@@ -1,14 +1,14 @@
 """`headrace simulate SPEC`: predict learner utilisation, buffer depth, lag and drops for a fleet.
 
-A discrete-event simulation (SimPy) of the whole pipeline of DESIGN.md, driven by measured or given
+A discrete-event simulation (SimPy) of the whole pipeline of docs/design.md, driven by measured or given
 distributions (see `headrace.sim.spec` for the spec and docs/simulation.md for the model):
 
     report = simulate(load_spec("examples/simulate_large.yaml"))
     points = sweep(spec, actors=[500, 1000, 2000]); plot_sweep(points, "sweep.png")
 
 Every prediction is measured over the steady-state window, from the start of the first train step
-to the end of the run (DESIGN.md's `learner/utilization`); a run in which the learner never trains
-reports over the whole run. Report keys that predict a DESIGN.md metric use its name with `/`
+to the end of the run (`learner/utilization`, docs/metrics.md); a run in which the learner never trains
+reports over the whole run. Report keys that predict a metric of docs/metrics.md use its name with `/`
 written as `_`.
 """
 

@@ -1,6 +1,6 @@
 """Directory weight store: versioned parameters as plain files on a local or shared filesystem.
 
-Layout under the store's root (DESIGN.md, "Weight store"):
+Layout under the store's root (docs/design.md, "Weight store"):
 
 ```
 LATEST                 the newest complete version, as decimal text (written last)

@@ -1,4 +1,4 @@
-"""Admission control (DESIGN.md, "Admission"): the forecast against a step-by-step reference, and
+"""Admission control (docs/design.md, "Admission"): the forecast against a step-by-step reference, and
 one suite run against both backends (in-process, and Redis via the session's real redis-server)."""
 
 from __future__ import annotations

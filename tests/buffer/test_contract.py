@@ -1,4 +1,4 @@
-"""The buffer contract (DESIGN.md, "Buffer contract") as one suite run against every backend.
+"""The buffer contract (docs/design.md, "Buffer contract") as one suite run against every backend.
 
 A `Harness` hides the few things a test cannot do the same way on both backends: restarting the
 consumer (memory: `restart_consumer()`; Redis: a new `RedisBuffer` with the same consumer name),

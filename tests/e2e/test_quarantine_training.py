@@ -6,7 +6,7 @@ in the run's stream, the way a broken or foreign writer would: garbage bytes, a 
 schema version, and a msgpack payload cut in half. The run must still reach `run.max_steps`,
 train entries written after the bad ones, move exactly those three to the quarantine stream (with
 their ids, bytes and reasons), count them in `buffer/quarantined`, and keep the accounting identity
-of DESIGN.md exactly: written = trained ∪ dropped ∪ quarantined ∪ still in the buffer.
+(docs/design.md) exactly: written = trained ∪ dropped ∪ quarantined ∪ still in the buffer.
 """
 
 from __future__ import annotations

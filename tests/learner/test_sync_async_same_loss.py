@@ -1,6 +1,6 @@
 """With zero staleness, `run.mode: sync` and `async` compute the same loss on the same data.
 
-DESIGN.md's invariant. The two modes share the learner: `Learner` never reads `run.mode`; the
+An invariant of docs/design.md. The two modes share the learner: `Learner` never reads `run.mode`; the
 modes differ in admission (`AdmissionLimits.from_config`: sync is lag 0 with a publish after every
 step, so actors generate exactly one batch at the learner's version, then wait) and in the config
 rule that sync publishes every step. So the test drives both through the threads launcher a
