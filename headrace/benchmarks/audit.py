@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         report = audit.analyze(measured_dir, target=args.target, headroom=args.headroom,
                                duration_s=args.duration, plot=False,
                                admit_pool=not args.max_policy_lag, measured=m,
-                               max_envs=8 * QUICK_GROUPS if args.quick else None)
+                               max_envs=8 * QUICK_GROUPS if args.quick else None,
+                               progress=lambda line: print(f"headrace bench audit: {line}",
+                                                           file=sys.stderr, flush=True))
         rec = report["recommendation"]
         cap = rec["envs_per_actor_cap"]
         total = rec["actors"] * rec["envs_per_actor"]

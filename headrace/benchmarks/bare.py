@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import statistics
 import sys
 import time
 
@@ -286,9 +287,9 @@ def headrace_run(run_dir: pathlib.Path) -> dict:
 
 
 def _median(values: list) -> float | None:
-    """The median of the values that are not None (the upper middle of an even count)."""
-    done = sorted(v for v in values if v is not None)
-    return done[len(done) // 2] if done else None
+    """The median of the values that are not None (of an even count, the mean of the middle two)."""
+    done = [v for v in values if v is not None]
+    return statistics.median(done) if done else None
 
 
 def _ratio(headrace: list, bare: list) -> float | None:

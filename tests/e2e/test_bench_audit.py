@@ -23,6 +23,7 @@ SATURATED_NOISE = 0.05
 def test_quick_bench_prints_every_key_and_sizes_pools_as_documented():
     result = run_headrace(["bench", "audit", "--quick", "--json"], timeout_s=580)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "headrace bench audit: simulating pool 1/" in result.stderr  # not minutes of silence
     data = json.loads(result.stdout)
     per_batch = data["settings"]["groups_per_batch"]
     assert [p["factor"] for p in data["points"]] == [0.25, 1.0, 2.0]
