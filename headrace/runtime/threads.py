@@ -15,7 +15,7 @@ from typing import Any
 
 from headrace.config import Config
 from headrace.metrics.core import Metrics
-from headrace.runtime import build, supervise
+from headrace.runtime import build, collector, supervise
 
 log = logging.getLogger(__name__)
 
@@ -78,17 +78,18 @@ def _train(config: Config, run_dir, t0: float, live: bool, buffer) -> dict[str, 
                                  metrics, stop, admission=admission)
         workers.append(Worker(f"actor-{i}", actor.run, stop))
     reporter = supervise.Reporter(config, run_dir, live)
-    for worker in workers:
-        worker.start()
-    try:
-        stopped_by = supervise.watch(
-            config, t0, snapshot=lambda: {**metrics.snapshot(), **buffer.stats()},
-            reporter=reporter, evaluator=evaluator, failed=stop.is_set,
-            finished=learner.done.is_set)
-    finally:
-        stop.set()
+    with collector.settled():  # what was built leaves the collector's scans while the run lasts
         for worker in workers:
-            worker.join(timeout=30)
+            worker.start()
+        try:
+            stopped_by = supervise.watch(
+                config, t0, snapshot=lambda: {**metrics.snapshot(), **buffer.stats()},
+                reporter=reporter, evaluator=evaluator, failed=stop.is_set,
+                finished=learner.done.is_set)
+        finally:
+            stop.set()
+            for worker in workers:
+                worker.join(timeout=30)
     errors = [f"{w.name}: {type(w.error).__name__}: {w.error}" for w in workers if w.error]
     if errors:  # a worker's failure, whatever else was seen first
         stopped_by = "error"

@@ -3,7 +3,7 @@
 Each child ties its life to the supervisor (SIGKILL when the parent dies, Linux PR_SET_PDEATHSIG),
 turns SIGTERM/SIGINT into its stop event, pins itself to its CPUs and limits XLA's threads before
 JAX is imported, then builds its component from the config, tunes Python's cyclic collector for a
-long run (`_settle_gc`) and runs it. Metrics go to Redis
+long run (`collector.settle`) and runs it. Metrics go to Redis
 (`headrace.metrics.remote`). A child that fails logs the error and exits non-zero; the supervisor
 restarts actors with backoff and ends the run when the learner fails. The reason travels in a
 file, RUN_DIR/failures/NAME.json (`record_failure`; written even when Redis is what failed), which
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
-import gc
 import logging
 import os
 import pathlib
@@ -24,14 +23,10 @@ import threading
 from typing import Any
 
 from headrace.rundir import RunDir
+from headrace.runtime import collector
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
-# Net allocations of tracked objects between young collections once a worker is built (Python's
-# default: 700). See `_settle_gc`.
-GC_YOUNG_THRESHOLD = 10_000
-
-
 def failure_path(run_dir: str | os.PathLike, name: str) -> pathlib.Path:
     return pathlib.Path(run_dir) / RunDir.FAILURES / f"{name}.json"
 
@@ -122,18 +117,6 @@ def _setup(name: str, cpus: tuple[int, ...], supervised: bool = True) -> threadi
     return stop
 
 
-def _settle_gc() -> None:
-    """Once a worker is built and before it runs: what exists now (modules, JAX's caches, the
-    model) leaves the cyclic collector's scans (`gc.freeze`), and young collections come every
-    GC_YOUNG_THRESHOLD net allocations. With Python's defaults the example's learner spent 7 % of
-    its CPU and its actor 13 % in the collector, mostly full collections walking ~300,000
-    start-up objects about once a second; after, 0.5 % and 1.4 %, and the learner's cyclic
-    garbage is still collected (as many objects, the same memory; docs/runtime.md)."""
-    gc.collect()  # start-up's garbage first: what is frozen is never collected
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-
-
 def _common(config_data: dict[str, Any], run_dir: str):
     from headrace.config import load
     from headrace.runtime import build
@@ -188,7 +171,7 @@ def _learner(config_data, run_dir, url, run_id, process_id, processes, coordinat
             checkpointer=checkpointer, ledger=ledger, run_dir=run_dir if primary else None,
             pins=build.make_pins(config, run_dir) if primary else None)
         learner.publish_start()  # version 0, or the restored weights after a resume
-        _settle_gc()
+        collector.settle()
         learner.run()
     finally:
         publisher.stop()
@@ -235,7 +218,7 @@ def _actor(config_data, run_dir, url, run_id, index, stop, name, standalone) -> 
         admission = build.make_admission(config, buffer, url=url, run_id=run_id)
         actor = build.make_actor(config, task, name, sampler, buffer, weights, metrics, stop,
                                  admission=admission)
-        _settle_gc()
+        collector.settle()
         actor.run()
     finally:
         publisher.stop()
