@@ -431,11 +431,6 @@ class Config:
                self.model.lora.rank, "LoRA trains on one learner device (the sharded learner "
                "has no adapter rules yet): set model.lora.rank: 0 or parallel.mesh to one device "
                "and parallel.processes: 1")
-        _check(not (self.staleness.max_ready_batches and self.parallel.processes > 1),
-               "staleness.max_ready_batches", self.staleness.max_ready_batches,
-               "the ready cap counts the groups every learner process holds, and one process can "
-               "hold what another waits for, so admission can refuse for good (a hang): with "
-               "parallel.processes > 1 set it to 0")
         _check(self.buffer.shard_count == 1 or self.run.launcher == "processes",
                "buffer.shards", self.buffer.shard_count, "shards are Redis streams that actor "
                "processes write to by their ids: needs run.launcher=processes")

@@ -14,12 +14,23 @@ and an actor holding weights `v_a` may start it when `trained_at - v_a <= max_po
 older than `max_age_s`; `step_s` is the learner's recent time per step). When `max_ready_batches` is
 set, and the p90 episode time and `step_s` are known, admission also requires
 `ceil(Q / groups_per_batch) * step_s <= p90_episode_s + max_ready_batches * step_s`: when the new
-group is done, at most `max_ready_batches` batches are still ahead of it. The lag limit alone caps
+group is done, at most `max_ready_batches` batches are still ahead of it, unless a learner process
+waits for data that is not coming (below). The lag limit alone caps
 what is in flight plus what is ready, so a pool larger than the learner needs fills that window to
 the limit and its surplus waits in the queue, aging; this cap follows the episode time in learner
 steps instead (L/S), so groups train at about L/S + `max_ready_batches` versions and the surplus
 waits unstarted. It counts the groups in flight, so it reacts at once: a cap on the finished groups
 alone would react an episode late and swing between a flooded and an empty queue (measured).
+
+The cap never starves a waiting learner. `Q` counts what every learner process holds; with
+several, one can hold its reader queue full and its share of the next batch (waiting for the
+others in a collective) while another waits for its share, and `Q` alone would then refuse for
+good: a hang. So each process reports the groups it is blocked waiting for
+(`learner_update(waiting_for=...)`, summed over hosts), and the cap admits while the groups coming
+(`depth + in_flight`, this call's admitted ones included) are fewer than that, so no more than the
+waiting processes lack. With one learner process this changes no decision: waiting, it holds less
+than a batch, so with fewer groups coming than it lacks `Q` is at most one batch, which the cap
+never refuses.
 
 What `Q` counts, and who reports it:
   * `learner queued`: groups the learner has read from the buffer but not yet trained (reader,
@@ -127,6 +138,7 @@ class LearnerState:
     since_publish: int = 0  # learner steps since that publish
     queued: int = 0  # groups read from the buffer, not yet trained (all hosts): pending - handled
     step_s: float = 0.0  # recent seconds per learner step (0: unknown)
+    waiting_for: int = 0  # groups learner processes are blocked waiting for (all hosts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +189,8 @@ def decide(state: LearnerState, depth: int, in_flight: int, limits: AdmissionLim
     reason = ""
     if trained_at - weights_version > limits.max_policy_lag:
         reason = REFUSED_LAG
-    elif too_many_ready(batches, state.step_s, p90_episode_s, limits.max_ready_batches):
+    elif (too_many_ready(batches, state.step_s, p90_episode_s, limits.max_ready_batches)
+          and depth + in_flight >= state.waiting_for):  # else a waiting learner lacks them
         reason = REFUSED_READY
     elif (limits.max_age_s > 0 and p90_episode_s is not None
           and wait_s + p90_episode_s > limits.max_age_s):
@@ -206,11 +219,13 @@ def grant(actor_id: str, state: LearnerState, depth: int, in_flight: int,
     return forecast, leases
 
 
-def check_update(version: int, since_publish: int, handled: int, step_s: float) -> None:
+def check_update(version: int, since_publish: int, handled: int, step_s: float,
+                 waiting_for: int) -> None:
     """Raises ValueError when a learner report is out of range."""
-    if version < 0 or since_publish < 0 or handled < 0 or not step_s >= 0:
+    if version < 0 or since_publish < 0 or handled < 0 or not step_s >= 0 or waiting_for < 0:
         raise ValueError(f"learner_update(version={version}, since_publish={since_publish}, "
-                         f"handled={handled}, step_s={step_s}): all must be >= 0")
+                         f"handled={handled}, step_s={step_s}, waiting_for={waiting_for}): all "
+                         "must be >= 0")
 
 
 def new_lease_id(actor_id: str) -> str:
@@ -231,9 +246,10 @@ class Admission(abc.ABC):
         self.limits, self.lease_ttl_s = limits, lease_ttl_s
 
     @abc.abstractmethod
-    def learner_update(self, version: int, since_publish: int, queued: int, step_s: float,
-                       host: str = "0") -> None:
-        """Records the learner's state; `queued` is this `host`'s read-but-untrained groups.
+    def learner_update(self, version: int, since_publish: int, handled: int, step_s: float,
+                       host: str = "0", waiting_for: int = 0) -> None:
+        """Records the learner's state: `handled` is this `host`'s groups handled but not yet
+        acknowledged, `waiting_for` the groups it is blocked waiting for (0: it is not waiting).
 
         Raises:
           ValueError: a value is negative or `host` is not a name.
@@ -325,6 +341,7 @@ class InProcessAdmission(Admission):
         self._lock = threading.Lock()
         self._state = LearnerState()  # as reported; `queued` is read in `_read`
         self._handled: dict[str, int] = {}
+        self._waiting: dict[str, int] = {}
         self._leases: dict[str, tuple[str, float]] = {}  # lease id -> (actor id, expiry)
 
     def _expire(self) -> float:
@@ -334,18 +351,21 @@ class InProcessAdmission(Admission):
         return now
 
     def learner_update(self, version: int, since_publish: int, handled: int, step_s: float,
-                       host: str = "0") -> None:
-        check_update(version, since_publish, handled, step_s)
+                       host: str = "0", waiting_for: int = 0) -> None:
+        check_update(version, since_publish, handled, step_s, waiting_for)
         check_name("host", host)
         with self._lock:
             self._handled[host] = handled
+            self._waiting[host] = waiting_for
             self._state = LearnerState(version, since_publish, 0, float(step_s))
 
     def _read(self) -> tuple[LearnerState, int]:
-        """The learner's state (queued: pending - handled) and the depth; under the lock."""
+        """The learner's state (queued: pending - handled; waiting_for: all hosts') and the
+        depth; under the lock."""
         depth, pending = self._counts()
         queued = max(0, pending - sum(self._handled.values()))
-        return dataclasses.replace(self._state, queued=queued), depth
+        return dataclasses.replace(self._state, queued=queued,
+                                   waiting_for=sum(self._waiting.values())), depth
 
     def learner_state(self) -> LearnerState:
         """What the learner last reported, with the groups it holds untrained (zeros before

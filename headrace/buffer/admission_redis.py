@@ -5,6 +5,7 @@ Redis Cluster slot with the stream, so one script may read them all):
 
   headrace:{RUN:SHARD}:admission:learner     hash: version, since_publish, step_s, updated_ms
   headrace:{RUN:SHARD}:admission:handled     hash: learner host -> groups handled, not yet acked
+  headrace:{RUN:SHARD}:admission:waiting     hash: learner host -> groups it is blocked waiting for
   headrace:{RUN:SHARD}:admission:leases      sorted set of `actor|id` scored by expiry (server ms)
   headrace:{RUN:SHARD}:admission:actor:ID    set of that actor's lease members (expires with them)
 
@@ -57,14 +58,14 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: learner, handled, leases, actor set, stream(s) (every shard on this server). ARGV: stream
+# KEYS: learner, handled, leases, actor set, waiting, stream(s) (every shard on this server). ARGV: stream
 # group, reserve ('1'|'0'), count, ttl_ms, weights_version, p90 ('' unknown), groups_per_batch,
 # publish_every, max_policy_lag, max_age_s, max_ready_batches, then depth and pending of shards on
 # other servers (read just before, outside the script), then `count` lease members. The rule is
 # applied to the groups one after another, each admitted one in flight for the next, up to the
 # first refusal.
-# Returns {reason, version, since_publish, queued, depth, in_flight, step_s, admitted}: the state
-# read, the last decision's reason and how many leases were taken.
+# Returns {reason, version, since_publish, queued, depth, in_flight, step_s, admitted, waiting_for}:
+# the state read, the last decision's reason and how many leases were taken.
 _DECIDE = _NOW + TRAINED_AT_LUA + """
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 local count = tonumber(ARGV[3])
@@ -77,8 +78,10 @@ local version, since = tonumber(learner[1] or '0'), tonumber(learner[2] or '0')
 local step_text = learner[3] or '0'
 local handled = 0
 for _, n in ipairs(redis.call('HVALS', KEYS[2])) do handled = handled + tonumber(n) end
+local waiting_for = 0
+for _, n in ipairs(redis.call('HVALS', KEYS[5])) do waiting_for = waiting_for + tonumber(n) end
 local depth, pending = tonumber(ARGV[12] or '0'), tonumber(ARGV[13] or '0')
-for k = 5, #KEYS do
+for k = 6, #KEYS do
   local summary = redis.pcall('XPENDING', KEYS[k], ARGV[1])
   if not (type(summary) == 'table' and summary.err) then
     pending = pending + summary[1]
@@ -96,7 +99,8 @@ for k = 1, count do
   if trained_at - tonumber(ARGV[5]) > tonumber(ARGV[9]) then
     reason = 'lag'
   elseif max_ready > 0 and ARGV[6] ~= '' and step_s > 0 and  -- versions.too_many_ready
-      batches * step_s > tonumber(ARGV[6]) + max_ready * step_s then
+      batches * step_s > tonumber(ARGV[6]) + max_ready * step_s and
+      depth + in_flight + admitted >= waiting_for then  -- else a waiting learner lacks them
     reason = 'ready'
   elseif max_age > 0 and ARGV[6] ~= '' and
       batches * step_s + tonumber(ARGV[6]) > max_age then
@@ -113,7 +117,7 @@ end
 for k = admitted + 1, count do
   redis.call('SREM', KEYS[4], ARGV[13 + k])
 end
-return {reason, version, since, queued, depth, in_flight, step_text, admitted}
+return {reason, version, since, queued, depth, in_flight, step_text, admitted, waiting_for}
 """
 
 # KEYS: leases, actor set. ARGV: ttl_ms. Returns the number of live leases renewed.
@@ -206,7 +210,7 @@ class RedisAdmission(Admission):
                             for i in range(local_shards)]
         self.prefix = f"{prefix}:admission"
         self.learner_key, self.handled_key = f"{self.prefix}:learner", f"{self.prefix}:handled"
-        self.leases_key = f"{self.prefix}:leases"
+        self.leases_key, self.waiting_key = f"{self.prefix}:leases", f"{self.prefix}:waiting"
         scripts = dict(decide=_DECIDE, heartbeat=_HEARTBEAT, release=_RELEASE, count=_COUNT)
         self._lua = {name: self._client.register_script(src) for name, src in scripts.items()}
 
@@ -233,8 +237,8 @@ class RedisAdmission(Admission):
                                error=AdmissionError, auth_hint="set buffer.password")
 
     def learner_update(self, version: int, since_publish: int, handled: int, step_s: float,
-                       host: str = "0") -> None:
-        check_update(version, since_publish, handled, step_s)
+                       host: str = "0", waiting_for: int = 0) -> None:
+        check_update(version, since_publish, handled, step_s, waiting_for)
         check_name("host", host)
 
         def write() -> None:
@@ -243,6 +247,7 @@ class RedisAdmission(Admission):
                 "version": int(version), "since_publish": int(since_publish),
                 "step_s": repr(float(step_s)), "updated_ms": int(time.time() * 1000)})
             pipe.hset(self.handled_key, host, int(handled))
+            pipe.hset(self.waiting_key, host, int(waiting_for))
             pipe.execute()
 
         self._call("learner_update", write)
@@ -257,13 +262,14 @@ class RedisAdmission(Admission):
         reply = self._call(
             "try_admit" if reserve else "forecast", self._lua["decide"],
             keys=[self.learner_key, self.handled_key, self.leases_key, self._actor_key(actor_id),
-                  *self.stream_keys],
+                  self.waiting_key, *self.stream_keys],
             args=[GROUP, "1" if reserve else "0", len(members), self._ttl_ms,
                   int(weights_version), p90, lim.groups_per_batch, lim.publish_every,
                   lim.max_policy_lag, repr(float(lim.max_age_s)), lim.max_ready_batches,
                   int(remote[0]), int(remote[1]), *members])
-        reason, version, since, queued, depth, in_flight, step_s, admitted = reply
-        state = LearnerState(int(version), int(since), int(queued), float(_str(step_s)))
+        reason, version, since, queued, depth, in_flight, step_s, admitted, waiting_for = reply
+        state = LearnerState(int(version), int(since), int(queued), float(_str(step_s)),
+                             int(waiting_for))
         return _str(reason), state, int(depth), int(in_flight), int(admitted)
 
     def _decide(self, actor_id: str, weights_version: int, p90_episode_s: float | None,
@@ -313,7 +319,7 @@ class RedisAdmission(Admission):
         actors = self._call("drop", lambda: list(
             self._client.scan_iter(match=f"{self.prefix}:actor:*")))
         self._call("drop", self._client.delete, self.learner_key, self.handled_key,
-                   self.leases_key, *actors)
+                   self.leases_key, self.waiting_key, *actors)
 
     def close(self) -> None:
         if self._own_client:

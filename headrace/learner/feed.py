@@ -15,6 +15,10 @@ book (`headrace.learner.book`), which acknowledges them with the next checkpoint
 
 The feed decides nothing about checkpoints: when every pending entry the buffer allows is handled
 but unacknowledged, `next` returns `STARVED` and the loop relieves it.
+
+While `next` blocks for want of entries, `waiting_for` is what it still lacks, and `report` (the
+loop's report to admission control) is called when that changes: admission's ready cap counts what
+every learner process holds, so it must know when one of them waits (docs/design.md, "Admission").
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from headrace.buffer.base import Buffer
 from headrace.buffer.serialize import MalformedEntry, check_tokens
@@ -47,10 +52,12 @@ class LearnerError(RuntimeError):
 class Feed:
     def __init__(self, config: Config, buffer: Buffer, batcher: Batcher, gate: StalenessGate,
                  book: Book, metrics: Metrics, tracer: Tracer, stop: threading.Event,
-                 vocab_size: int, processes: int = 1):
+                 vocab_size: int, processes: int = 1,
+                 report: Callable[[], None] = lambda: None):
         """`processes`: learner processes sharing each batch (this one gathers its share); with
         several, a batch gathered ahead is built later (building agrees shapes with the others,
-        a collective that must run in step with theirs)."""
+        a collective that must run in step with theirs). `report`: called from the training
+        thread when `waiting_for` changes."""
         lc = config.learner
         self.config = config
         self.buffer = buffer
@@ -63,7 +70,10 @@ class Feed:
         self.vocab_size = vocab_size
         self.need = lc.groups_per_batch // processes
         self._build_ahead = processes == 1
-        self._queue: queue.Queue[Entry] = queue.Queue(maxsize=2 * lc.groups_per_batch)
+        self.report = report
+        self.waiting_for = 0  # entries a blocked `next` still lacks (0: not blocked)
+        # Two of this process's shares: with several processes each reads about its own.
+        self._queue: queue.Queue[Entry] = queue.Queue(maxsize=2 * self.need)
         self._carry: list[Entry] = []  # passed the gate, not yet in a batch (gated again on use)
         self._ahead: tuple[list[Entry], object] | None = None  # gathered while a step trained
         # The host time of the batch `next` gave last: its wait for data, its building.
@@ -177,16 +187,28 @@ class Feed:
             except queue.Empty:
                 if not block or self.stop.is_set():
                     self._carry = entries
-                    return None
+                    return self._waited(None)
                 unacked = len(self.book.unacked)
                 if unacked and unacked + len(entries) + self._queue.qsize() \
                         >= self.config.buffer.max_pending:
                     self._carry = entries
-                    return STARVED
+                    return self._waited(STARVED)
+                self._wait(self.need - len(entries))
                 continue
             if self._admit(entry, version):
                 entries.append(entry)
-        return entries
+        return self._waited(entries)
+
+    def _wait(self, lacking: int) -> None:
+        """Blocked, lacking `lacking` entries: reported when that changed."""
+        if lacking != self.waiting_for:
+            self.waiting_for = lacking
+            self.report()
+
+    def _waited(self, got):
+        """`got`, after telling admission that this process no longer waits."""
+        self._wait(0)
+        return got
 
     def _admit(self, entry: Entry, version: int) -> bool:
         """Whether `entry` goes into a batch trained at `version`; a skip or drop is recorded."""

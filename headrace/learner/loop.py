@@ -153,7 +153,8 @@ class Learner:
         self.book = Book(config, buffer, metrics, checkpointer, ledger, self.peers,
                          report=self._report_state)
         self.feed = Feed(config, buffer, self.batcher, StalenessGate(config.staleness, metrics),
-                         self.book, metrics, self.tracer, stop, dims.vocab_size, self.processes)
+                         self.book, metrics, self.tracer, stop, dims.vocab_size, self.processes,
+                         report=self._report_state)
         self.clock = StepClock(metrics)
         self.publisher = Publisher(weights, pins, metrics, self.tracer, dims, self.processes,
                                    primary)
@@ -200,16 +201,17 @@ class Learner:
             self.publisher.pin(self.state.params, self.step)
 
     def _report_state(self) -> None:
-        """Tells admission control where the learner is: version, steps since publish, and the
+        """Tells admission control where the learner is: version, steps since publish, the
         entries handled but not yet acknowledged (admission counts the rest of the buffer's
-        pending entries as this learner's queue). Only the training thread reports, so reports
-        stay in order."""
+        pending entries as this learner's queue) and those the feed is blocked waiting for. Only
+        the training thread reports, so reports stay in order."""
         if self.admission is not None:  # each learner process reports its own
             step_s = self.metrics.distribution("learner/step_s")
             self.admission.learner_update(self.version, self._since_publish,
                                           len(self.book.unacked),
                                           step_s.mean() if step_s is not None else 0.0,
-                                          host=str(jax.process_index()))
+                                          host=str(jax.process_index()),
+                                          waiting_for=self.feed.waiting_for)
 
     @property
     def position(self) -> Position:

@@ -19,6 +19,7 @@ from headrace.buffer.admission import (
     AdmissionError,
     AdmissionLimits,
     InProcessAdmission,
+    LearnerState,
     decide,
     trained_at_version,
 )
@@ -143,17 +144,25 @@ def test_forecast_counts_queued_buffered_and_in_flight(harness, group_factory):
     assert adm.forecast(3).learner_queued == 2
 
 
-def test_backend_agrees_with_rule(harness):
+def test_backend_agrees_with_rule(harness, group_factory):
     rng = random.Random(0)
-    for limits in (AdmissionLimits(3, 1, 2), AdmissionLimits(5, 3, 1, max_age_s=4.0)):
+    reasons = set()
+    for limits in (AdmissionLimits(3, 1, 2), AdmissionLimits(5, 3, 1, max_age_s=4.0),
+                   AdmissionLimits(2, 1, 6, max_ready_batches=1)):
         adm = harness.make(limits)
+        harness.buffer.put([group_factory(i) for i in range(10)], timeout_s=5)
+        assert len(harness.buffer.get(10, timeout_s=5)) == 10  # pending: the learner's queue
         for _ in range(30):
             adm.learner_update(rng.randrange(10), rng.randrange(limits.publish_every),
-                               rng.randrange(20), rng.choice([0.0, 0.1, 1 / 3, 0.7]))
+                               rng.randrange(20), rng.choice([0.0, 0.1, 1 / 3, 0.7]),
+                               waiting_for=rng.choice([0, 0, 1, 3]))
             weights, p90 = rng.randrange(12), rng.choice([None, 0.5, 1.1, 3.9])
             got = adm.forecast(weights, p90)
-            want = decide(adm.learner_state(), 0, 0, limits, weights, p90)
+            want = decide(adm.learner_state(), got.depth, 0, limits, weights, p90)
             assert got == want
+            reasons.add((limits.max_ready_batches, got.reason, got.learner_queued > 0 and
+                         adm.learner_state().waiting_for > 0))
+    assert (1, REFUSED_READY, False) in reasons and (1, "", True) in reasons  # the cap both ways
 
 
 def test_old_weights_refused_until_newer_version(harness):
@@ -359,6 +368,34 @@ def test_ready_cap_refusal(harness, group_factory):
     assert off.try_admit("b", 0, p90_episode_s=0.0) is not None  # max_ready_batches=0: off
     with pytest.raises(ValueError, match="max_ready_batches"):
         AdmissionLimits(2, 1, 1, max_ready_batches=-1)
+
+
+def test_ready_cap_admits_what_a_waiting_learner_process_lacks(harness, group_factory):
+    # Two learner processes, 4 groups a batch (2 each): process 0 has read 7 groups (its queue
+    # and its share of the next batch) and waits in a collective; process 1 waits for its 2. A
+    # step of 1 s against a p90 episode of 0.5 s and a cap of 1: Q = 7 + 1 is 2 batches, 2 > 1.5,
+    # so the cap alone refuses, and nothing would ever come for process 1.
+    adm = harness.make(AdmissionLimits(4, 1, max_policy_lag=100, max_ready_batches=1))
+    harness.buffer.put([group_factory(i) for i in range(7)], timeout_s=5)
+    assert len(harness.buffer.get(7, timeout_s=5)) == 7
+    adm.learner_update(version=3, since_publish=0, handled=0, step_s=1.0, host="0")
+    adm.learner_update(version=3, since_publish=0, handled=0, step_s=1.0, host="1")
+    assert adm.forecast(3, p90_episode_s=0.5).reason == REFUSED_READY
+    adm.learner_update(version=3, since_publish=0, handled=0, step_s=1.0, host="1", waiting_for=2)
+    assert adm.learner_state().waiting_for == 2
+    leases = adm.try_admit_many("a", 3, count=5, p90_episode_s=0.5)
+    assert len(leases) == 2  # what it lacks, no more: then in flight covers it
+    assert adm.forecast(3, p90_episode_s=0.5).reason == REFUSED_READY
+    adm.learner_update(version=3, since_publish=0, handled=0, step_s=1.0, host="0", waiting_for=1)
+    assert len(adm.try_admit_many("b", 3, count=5, p90_episode_s=0.5)) == 1  # the hosts' sum
+    adm.release_many(leases)  # now in the buffer: coming, so still counted
+    harness.buffer.put([group_factory(i) for i in range(7, 9)], timeout_s=5)
+    assert adm.try_admit("c", 3, p90_episode_s=0.5) is None
+    # The lag limit is not relaxed by a waiting learner: weights 3 versions old, limit 2.
+    lag = AdmissionLimits(4, 1, max_policy_lag=2, max_ready_batches=1)
+    assert decide(LearnerState(5, 0, 0, 1.0, waiting_for=9), 0, 0, lag, 2, 0.5).reason == REFUSED_LAG
+    with pytest.raises(ValueError, match="waiting_for=-1"):
+        adm.learner_update(version=3, since_publish=0, handled=0, step_s=1.0, waiting_for=-1)
 
 
 @pytest.mark.timeout(15)

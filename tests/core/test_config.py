@@ -44,14 +44,6 @@ def test_bad_values_name_key_value_and_allowed(override, message):
     assert message in str(error.value)
 
 
-def test_the_ready_cap_with_several_learner_processes_is_refused():
-    # One learner process can hold the groups another waits for; the cap counts both, so it could
-    # refuse for good (two learner processes hung in the suite with the cap at 2).
-    with pytest.raises(ConfigError, match="staleness.max_ready_batches=2: the ready cap counts"):
-        load(data={}, overrides=["staleness.max_ready_batches=2", "parallel.processes=2"])
-    assert load(data={}, overrides=["staleness.max_ready_batches=2"]).staleness.max_ready_batches == 2
-
-
 def test_bad_yaml_file(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("run: [unclosed\n")

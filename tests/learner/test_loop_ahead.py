@@ -129,3 +129,31 @@ def test_token_lag_counts_each_generated_token_at_the_version_that_made_it(model
     snapshot = learner.metrics.snapshot()
     assert snapshot["staleness/lag_mean"] == pytest.approx(((9 - 3) + (9 - 6)) / 2)
     assert snapshot["staleness/token_lag_mean"] == pytest.approx(9 - (3 + 5 + 7 + 6 + 6 + 6) / 6)
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_blocked_for_data_tells_admission_what_it_lacks(model):  # noqa: F811
+    """The ready cap counts what every learner process holds; a process blocked for its share
+    reports what it lacks (`waiting_for`), so the cap cannot refuse it for good, and 0 once fed."""
+    from headrace.buffer.admission import AdmissionLimits, InProcessAdmission
+
+    buffer = MemoryBuffer(capacity=1000, max_pending=64)
+    task, graphdef, params = model
+    config = load("examples/guess_number.yaml", [
+        "learner.groups_per_batch=4", "learner.minibatches=1", "buffer.max_pending=64",
+        "run.max_steps=1"])
+    admission = InProcessAdmission(AdmissionLimits.from_config(config), counts=buffer.counts)
+    learner = build.make_learner(config, task, graphdef, params, buffer, MemoryWeightStore(4),
+                                 Metrics(), threading.Event(), admission=admission)
+    learner.publish_start()
+    buffer.put([make_group(i, actions(model)) for i in range(3)], timeout_s=1)  # 1 short of 4
+    thread = threading.Thread(target=learner.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while admission.learner_state().waiting_for != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert admission.learner_state().waiting_for == 1 and learner.step == 0
+    buffer.put([make_group(3, actions(model))], timeout_s=1)
+    thread.join(60)
+    assert not thread.is_alive() and learner.step == 1
+    assert admission.learner_state().waiting_for == 0
