@@ -84,6 +84,10 @@ class Actor:
         self.stop = stop
         self._task_seeds = itertools.count(task_seed_start(config.run.seed, actor_id))
         self._id_prefix = uuid.uuid4().hex[:16]  # ids stay unique across actor restarts
+        # Admission leases are this process's own: a heartbeat renews every lease of its owner,
+        # so an actor restarted under the same id (a resume, a supervisor restart) would keep
+        # its killed predecessor's leases alive for good, counted in flight with nothing coming.
+        self.lease_owner = f"{actor_id}:{self._id_prefix[:8]}"
         self._group_numbers = itertools.count()
         self._sampling = {"temperature": config.sampling.temperature,
                           "top_k": config.sampling.top_k, "top_p": config.sampling.top_p}
@@ -168,7 +172,7 @@ class Actor:
 
         for task in tasks:
             task.add_done_callback(failed)
-        heartbeat = Heartbeat(self.admission, self.actor_id) if self.admission else None
+        heartbeat = Heartbeat(self.admission, self.lease_owner) if self.admission else None
         if heartbeat is not None:
             heartbeat.start()
         turn_cpu = TurnCpu(prefix=f"{self.actor_id}-io")
@@ -323,7 +327,7 @@ class Actor:
                     lease = self._leases.popleft()[0]
                 else:
                     admitted = await wait_admit(
-                        self.admission, self.actor_id, weights_version, stop=self.stop,
+                        self.admission, self.lease_owner, weights_version, stop=self.stop,
                         p90_episode_s=p90_episode_s, poll_s=0.005, max_poll_s=0.05,
                         count=lambda: min(1 + self._admit_queued + ADMIT_SPARE, self._slots),
                         wake=self._installed)

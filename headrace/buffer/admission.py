@@ -60,7 +60,10 @@ every step.
 It is a forecast, not a guarantee: episodes finish out of order, and the gate drops (and counts)
 whatever turns out over a limit. Failure modes: a crashed actor stops heartbeating, so its leases
 expire after `lease_ttl_s` and admission resumes without it (its groups, if they ever arrive, are
-still trained or dropped by the gate). An actor that stalls longer than `lease_ttl_s` loses its
+still trained or dropped by the gate). A heartbeat renews every lease of its `actor_id`, so an actor
+process names its leases for itself alone (`Actor.lease_owner`: its id and a token of its own); a
+restarted actor under the same id would otherwise keep its predecessor's leases alive for good,
+counted in flight with nothing coming. An actor that stalls longer than `lease_ttl_s` loses its
 leases too (`heartbeat` returns how many it renewed; `release` of an expired lease returns False).
 """
 

@@ -185,7 +185,7 @@ def test_spare_leases_save_round_trips_and_are_given_back_when_old(monkeypatch):
             leases.append(await actor._admit())  # the old ones go back, a third call
             assert admission.calls == 3 and len(actor._leases) == 4
             assert metrics.snapshot()["actor/spare_leases_released"] == 4
-            assert admission.in_flight("a0") == len(leases) + 4
+            assert admission.in_flight(actor.lease_owner) == len(leases) + 4
             actor._release_spare()  # at stop
             assert admission.release_many(leases) == len(leases)
             return len(leases)
@@ -245,3 +245,45 @@ def test_a_store_lost_for_good_fails_the_actor_instead_of_its_slots_quietly():
     stop.set()  # (only if it hung: then the assertions below fail)
     thread.join(timeout=30)
     assert errors and isinstance(errors[0], BufferError) and "unreachable" in str(errors[0]), errors
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_actor_does_not_keep_its_predecessors_leases_alive():
+    """An actor restarted under the same id (a `--resume`, a supervisor restart) heartbeats its
+    own leases only: the killed one's expire. Renewed by the successor (the leases were the id's),
+    they stayed in flight for good with nothing coming, and with the ready cap on admission
+    refused a learner process waiting for its share (a hang in the crash tests)."""
+    import asyncio
+
+    from headrace.actor.policy import WeightSync
+
+    config, task, graphdef, params, weights = admission_setup(4, max_policy_lag=100)
+    now = [0.0]
+    admission = InProcessAdmission(AdmissionLimits.from_config(config), lease_ttl_s=30.0,
+                                   clock=lambda: now[0])
+
+    def incarnation():
+        sampler = build.make_sampler(config, task, graphdef, seed=0)
+        sampler.set_params(params, 0)
+        return build.make_actor(config, task, "a0", sampler, MemoryBuffer(capacity=100), weights,
+                                Metrics(), threading.Event(), admission=admission)
+
+    killed = incarnation()
+
+    async def admit_one(actor):
+        actor._admit_turn, actor._installed = asyncio.Lock(), asyncio.Event()
+        actor._sync = WeightSync(weights, actor.sampler, actor.metrics)
+        try:
+            return await actor._admit()
+        finally:
+            actor._sync.close()
+
+    assert asyncio.run(admit_one(killed)) is not None  # its group never reaches the buffer
+    assert admission.in_flight() == 2  # the slot's own lease and a spare (2 slots)
+    restarted = incarnation()
+    assert restarted.lease_owner != killed.lease_owner
+    assert restarted.lease_owner.startswith("a0:")
+    now[0] = 20.0
+    assert admission.heartbeat(restarted.lease_owner) == 0  # not its predecessor's leases
+    now[0] = 31.0
+    assert admission.in_flight() == 0  # expired, as a crashed actor's leases must
