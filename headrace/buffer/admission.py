@@ -28,9 +28,9 @@ others in a collective) while another waits for its share, and `Q` alone would t
 good: a hang. So each process reports the groups it is blocked waiting for
 (`learner_update(waiting_for=...)`, summed over hosts), and the cap admits while the groups coming
 (`depth + in_flight`, this call's admitted ones included) are fewer than that, so no more than the
-waiting processes lack. With one learner process this changes no decision: waiting, it holds less
-than a batch, so with fewer groups coming than it lacks `Q` is at most one batch, which the cap
-never refuses.
+waiting processes lack. With one learner process this would change no decision (waiting, it holds
+less than a batch, so with fewer groups coming than it lacks `Q` is at most one batch, which the
+cap never refuses), so a lone process does not report it.
 
 What `Q` counts, and who reports it:
   * `learner queued`: groups the learner has read from the buffer but not yet trained (reader,

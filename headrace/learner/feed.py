@@ -16,9 +16,11 @@ book (`headrace.learner.book`), which acknowledges them with the next checkpoint
 The feed decides nothing about checkpoints: when every pending entry the buffer allows is handled
 but unacknowledged, `next` returns `STARVED` and the loop relieves it.
 
-While `next` blocks for want of entries, `waiting_for` is what it still lacks, and `report` (the
-loop's report to admission control) is called when that changes: admission's ready cap counts what
-every learner process holds, so it must know when one of them waits (docs/design.md, "Admission").
+With several learner processes, while `next` blocks for want of entries `waiting_for` is what it
+still lacks, and `report` (the loop's report to admission control) is called when that changes:
+admission's ready cap counts what every learner process holds, so it must know when one of them
+waits for what another holds (docs/design.md, "Admission"). One process holds nothing another
+needs, and the cap never refuses what it lacks, so it reports nothing (a round trip saved).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class Feed:
         """`processes`: learner processes sharing each batch (this one gathers its share); with
         several, a batch gathered ahead is built later (building agrees shapes with the others,
         a collective that must run in step with theirs). `report`: called from the training
-        thread when `waiting_for` changes."""
+        thread when `waiting_for` changes (several processes only)."""
         lc = config.learner
         self.config = config
         self.buffer = buffer
@@ -70,6 +72,7 @@ class Feed:
         self.vocab_size = vocab_size
         self.need = lc.groups_per_batch // processes
         self._build_ahead = processes == 1
+        self._reports_waiting = processes > 1
         self.report = report
         self.waiting_for = 0  # entries a blocked `next` still lacks (0: not blocked)
         # Two of this process's shares: with several processes each reads about its own.
@@ -201,7 +204,7 @@ class Feed:
 
     def _wait(self, lacking: int) -> None:
         """Blocked, lacking `lacking` entries: reported when that changed."""
-        if lacking != self.waiting_for:
+        if self._reports_waiting and lacking != self.waiting_for:
             self.waiting_for = lacking
             self.report()
 
