@@ -4,6 +4,7 @@ one suite run against both backends (in-process, and Redis via the session's rea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import random
 import threading
@@ -152,17 +153,20 @@ def test_backend_agrees_with_rule(harness, group_factory):
         adm = harness.make(limits)
         harness.buffer.put([group_factory(i) for i in range(10)], timeout_s=5)
         assert len(harness.buffer.get(10, timeout_s=5)) == 10  # pending: the learner's queue
-        for _ in range(30):
+        for _ in range(100):
             adm.learner_update(rng.randrange(10), rng.randrange(limits.publish_every),
                                rng.randrange(20), rng.choice([0.0, 0.1, 1 / 3, 0.7]),
-                               waiting_for=rng.choice([0, 0, 1, 3]))
+                               waiting_for=rng.choice([0, 0, 2, 30]))
             weights, p90 = rng.randrange(12), rng.choice([None, 0.5, 1.1, 3.9])
             got = adm.forecast(weights, p90)
-            want = decide(adm.learner_state(), got.depth, 0, limits, weights, p90)
+            state = adm.learner_state()
+            want = decide(state, got.depth, 0, limits, weights, p90)
             assert got == want
-            reasons.add((limits.max_ready_batches, got.reason, got.learner_queued > 0 and
-                         adm.learner_state().waiting_for > 0))
-    assert (1, REFUSED_READY, False) in reasons and (1, "", True) in reasons  # the cap both ways
+            alone = decide(dataclasses.replace(state, waiting_for=0), got.depth, 0, limits,
+                           weights, p90)  # what the cap would decide with no learner waiting
+            reasons.add((limits.max_ready_batches, got.reason, alone.reason))
+    # The cap refused, and admitted what a waiting learner lacked where it alone would refuse.
+    assert (1, REFUSED_READY, REFUSED_READY) in reasons and (1, "", REFUSED_READY) in reasons
 
 
 def test_old_weights_refused_until_newer_version(harness):
