@@ -45,8 +45,11 @@ class RunConfig:
     launcher: Literal["threads", "processes", "ray"] = "processes"  # how components are run
     log_every: int = 10  # learner steps between metric records
     trace_rate: float = 0.01  # share of groups traced stage by stage into traces.jsonl (0: off)
-    learner_cpus: tuple[int, ...] = ()  # processes launcher: pin the learner (and 1 XLA thread) here
-    actor_cpus: tuple[int, ...] = ()  # processes launcher: pin the actors here (empty: anywhere)
+    # processes launcher: pin the learner here (XLA runs a thread per CPU given; learner process i
+    # of parallel.processes=n gets every n-th from the i-th); empty: anywhere
+    learner_cpus: tuple[int, ...] = ()
+    # processes launcher: pin the actors here; empty: the CPUs a pinned learner leaves, else anywhere
+    actor_cpus: tuple[int, ...] = ()
     ray_address: str = ""  # ray launcher: the cluster to join (empty: $RAY_ADDRESS, else a local one)
     ray_learner_bundle: dict[str, float] = dataclasses.field(
         default_factory=lambda: {"CPU": 1.0})  # ray: resources reserved per learner host (GPU, TPU,
@@ -431,6 +434,11 @@ class Config:
                self.model.lora.rank, "LoRA trains on one learner device (the sharded learner "
                "has no adapter rules yet): set model.lora.rank: 0 or parallel.mesh to one device "
                "and parallel.processes: 1")
+        processes = self.parallel.processes
+        _check(not self.run.learner_cpus or len(self.run.learner_cpus) >= processes,
+               "run.learner_cpus", list(self.run.learner_cpus), f"each of the {processes} learner "
+               f"processes (parallel.processes) is pinned to CPUs of its own from this list: name "
+               f"at least {processes}, or [] to leave them unpinned")
         _check(self.buffer.shard_count == 1 or self.run.launcher == "processes",
                "buffer.shards", self.buffer.shard_count, "shards are Redis streams that actor "
                "processes write to by their ids: needs run.launcher=processes")

@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from headrace import placement
 from headrace.config import Config, ConfigError, load
 from headrace.metrics import traces as traces_lib
 from headrace.metrics.records import read_records
@@ -283,12 +284,10 @@ def envs_cap(m: Measured) -> int:
 
 def actor_cores(config: Config) -> int:
     """Cores the actor processes can use on this machine (`run.actor_cpus`, else those the
-    learner's pinning leaves)."""
-    import os
-
-    if config.run.actor_cpus:
-        return len(config.run.actor_cpus)
-    return max(1, len(os.sched_getaffinity(0)) - len(config.run.learner_cpus))
+    learner's pinning leaves: `placement.actor_cpus`; all of them when neither is pinned)."""
+    usable = placement.usable_cpus()
+    return len(placement.actor_cpus(config.run, usable)) or max(
+        1, len(usable) - len(config.run.learner_cpus))
 
 
 def split_pool(total_envs: int, cap: int, group_size: int) -> tuple[int, int]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from headrace import placement
 from headrace.audit.probe import PROBE_ROWS, PROBE_TOKENS, Probed
 from headrace.config import Config, replace
 from headrace.runtime import worker  # light: no JAX before the child's set-up
@@ -39,9 +40,9 @@ def probe(config: Config, lengths: tuple[int, ...], repeats: int = 3,
     rows = tuple(r for r in PROBE_ROWS if r <= most)
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
+    cpus = placement.actor_cpus(config.run, placement.usable_cpus())  # an actor's, as launched
     process = ctx.Process(target=probe_main, name="probe", daemon=True,
-                          args=(config.to_dict(), tuple(config.run.actor_cpus), rows, lengths,
-                                repeats, window_s, send))
+                          args=(config.to_dict(), cpus, rows, lengths, repeats, window_s, send))
     process.start()
     send.close()
     try:

@@ -31,6 +31,7 @@ from typing import Any
 
 import redis
 
+from headrace import placement
 from headrace.buffer.base import BufferError
 from headrace.buffer.redis_stream import call_with_retry, enable_ledger
 from headrace.config import Config, ConfigError
@@ -74,17 +75,18 @@ class Supervisor:
         self.run_id = run_id
         self._context = multiprocessing.get_context("spawn")
         data = build.without_secrets(config).to_dict()  # the password goes by the environment
-        placement = config.run
+        run = config.run
+        actor_cpus = placement.actor_cpus(run, placement.usable_cpus())  # the learner's left
         processes = config.parallel.processes
         coordinator = f"127.0.0.1:{multihost.free_port()}" if processes > 1 else ""
         self.learners = [
             Child("learner" if processes == 1 else f"learner-{i}", worker.learner_main,
-                  (data, str(run_dir), url, run_id, tuple(placement.learner_cpus), i, processes,
-                   coordinator))
+                  (data, str(run_dir), url, run_id, placement.learner_cpus(run, i, processes), i,
+                   processes, coordinator))
             for i in range(processes)]
         self.learner = self.learners[0]  # process 0: publishes weights, decides when it is done
         self.actors = [Child(f"actor-{i}", worker.actor_main,
-                             (data, str(run_dir), url, run_id, i, tuple(placement.actor_cpus)))
+                             (data, str(run_dir), url, run_id, i, actor_cpus))
                        for i in range(config.actor.num_actors if actors else 0)]
         self.failure: str | None = None
         self.restarts = 0
@@ -200,7 +202,8 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
         (`headrace.runtime.standalone`), and marked ended when it stops.
 
     Raises:
-      ConfigError: a fresh run in a folder that holds one, or a folder that cannot be resumed.
+      ConfigError: a fresh run in a folder that holds one, a folder that cannot be resumed, or
+        (processes launcher) `run.learner_cpus` or `run.actor_cpus` naming CPUs this machine lacks.
     """
     t0 = time.time() if t0 is None else t0
     build.check_flow(config)
@@ -211,6 +214,8 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
     from headrace.learner.sharded_step import check_mesh
 
     check_mesh(config, build.build_task(config).dims)  # in the learner process it would fail alone
+    if make_supervisor is Supervisor:  # here, not in a child that fails on them alone
+        placement.check(config.run)
     # From here on config.buffer.password is the clients' password, in memory only.
     if resume_dir is None:
         resume.check_new_run_dir(config)

@@ -13,6 +13,7 @@ import time
 import redis
 
 from headrace import config as config_lib
+from headrace import placement
 from headrace.config import Config, ConfigError
 from headrace.runtime import build, standalone, worker
 
@@ -48,8 +49,8 @@ def actor(config: Config, *, connect: str = "", run_id: str = "", name: str = ""
     """`headrace actor CONFIG --connect URL`: one actor process, until the run ends.
 
     Raises:
-      ConfigError: no buffer URL, a password in the URL, or no learner announced within
-        `wait_s`.
+      ConfigError: no buffer URL, a password in the URL, `run.actor_cpus` this machine lacks,
+        or no learner announced within `wait_s`.
     """
     for what, value in (("--name", name), ("--run-id", run_id)):
         if value and not re.fullmatch(r"[\w.\-]+", value):
@@ -60,6 +61,7 @@ def actor(config: Config, *, connect: str = "", run_id: str = "", name: str = ""
     if not b.url and not b.urls:
         raise ConfigError("headrace actor needs the buffer's address: --connect "
                           "redis://[headrace@]HOST:PORT/0 (the learner prints it) or buffer.url")
+    placement.check(config.run, ("actor_cpus",))  # the learner's CPUs are another machine's
     url = b.shard_url(0)
     password = build.buffer_password(config)
     client = redis.Redis.from_url(url, password=password or None, socket_timeout=10.0)

@@ -1,0 +1,62 @@
+"""Where the processes launcher pins the learner and the actors (`headrace.placement`)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from headrace import benchlib, placement
+from headrace.config import ConfigError, load
+from headrace.runtime import processes
+
+EXAMPLE = str(benchlib.EXAMPLES / "guess_number.yaml")
+
+
+def _pinned(monkeypatch, tmp_path, usable, **sections):
+    """(each learner process's CPUs, each actor's) as a Supervisor hands them to its children,
+    on a machine whose usable CPUs are `usable` (nothing is started)."""
+    monkeypatch.setattr(placement, "usable_cpus", lambda: frozenset(usable))
+    config = load(EXAMPLE, overrides=[f"{section}.{key}={value}" for section, values
+                                      in sections.items() for key, value in values.items()])
+    supervisor = processes.Supervisor(config, tmp_path, "redis://127.0.0.1:1/0", "test")
+    learners = [child.args[4] for child in supervisor.learners]
+    return learners, [child.args[5] for child in supervisor.actors]
+
+
+@pytest.mark.parametrize("run, parallel, learners, actors", [
+    ({"learner_cpus": "[0]"}, {}, [(0,)], [(1, 2, 3)]),  # a pinned learner's core is its own
+    ({"learner_cpus": "[]"}, {}, [()], [()]),  # nothing pinned
+    ({"learner_cpus": "[0]", "actor_cpus": "[0, 3]"}, {}, [(0,)], [(0, 3)]),  # as given
+    ({"learner_cpus": "[0, 1, 2, 3]"}, {}, [(0, 1, 2, 3)], [()]),  # none left: anywhere
+    ({"learner_cpus": "[0, 1, 2]"}, {"processes": 2, "mesh": "{data: -1}"},
+     [(0, 2), (1,)], [(3,)]),  # several learner processes share the list out
+])
+def test_the_supervisor_pins_children_where_the_placement_says(monkeypatch, tmp_path, run,
+                                                               parallel, learners, actors):
+    assert _pinned(monkeypatch, tmp_path, {0, 1, 2, 3}, run=run, parallel=parallel) == (
+        learners, actors)
+
+
+def test_several_learner_processes_need_a_cpu_each():
+    with pytest.raises(ConfigError, match="run.learner_cpus.*at least 2"):
+        load(EXAMPLE, overrides=["parallel.processes=2", "run.learner_cpus=[0]"])
+
+
+def _refused(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "headrace.cli", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.timeout(150)
+def test_cpus_the_machine_lacks_are_refused_before_anything_starts(tmp_path):
+    absent = max(os.sched_getaffinity(0)) + 1
+    run_dir = tmp_path / "run"
+    learner = _refused("train", EXAMPLE, "--set", f"run.learner_cpus=[{absent}]", "--set",
+                       f"run.dir={run_dir}")
+    assert learner.returncode == 2 and f"run.learner_cpus=[{absent}]" in learner.stderr
+    assert "Traceback" not in learner.stderr and not run_dir.exists()
+    actor = _refused("actor", EXAMPLE, "--connect", "redis://127.0.0.1:1/0", "--set",
+                     f"run.actor_cpus=[{absent}]")  # refused before it tries the address
+    assert actor.returncode == 2 and f"run.actor_cpus=[{absent}]" in actor.stderr
+    assert "Traceback" not in actor.stderr
