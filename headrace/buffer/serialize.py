@@ -32,6 +32,7 @@ import numpy as np
 from headrace.types import ROLES, SCHEMA_VERSION, STATUSES, Group, Trajectory, Turn
 
 _ARRAYS = {"tokens": "<i4", "loss_mask": "|b1", "behaviour_logprobs": "<f4", "policy_version": "<i4"}
+_NATIVE = {dtype: np.dtype(dtype).newbyteorder("=") for dtype in _ARRAYS.values()}
 _TRAJECTORY_KEYS = frozenset(f.name for f in dataclasses.fields(Trajectory))
 _SCALARS = tuple(f.name for f in dataclasses.fields(Trajectory) if f.name not in _ARRAYS)
 _STRINGS = ("trajectory_id", "group_id", "task_id", "env", "actor_id", "status")
@@ -73,8 +74,7 @@ def _decode_array(raw: Any, dtype: str, where: str, name: str) -> np.ndarray:
     if len(raw[2]) != shape[0] * np.dtype(dtype).itemsize:
         raise MalformedEntry(f"{where}.{name}: {len(raw[2])} bytes do not fill shape {shape}",
                              SHAPE)
-    array = np.frombuffer(raw[2], dtype=dtype)
-    return array.astype(np.dtype(dtype).newbyteorder("="), copy=False)
+    return np.frombuffer(raw[2], dtype=dtype).astype(_NATIVE[dtype], copy=False)
 
 
 def _encode_trajectory(t: Trajectory) -> dict:
@@ -184,14 +184,23 @@ def _decode_trajectory(record: Any, index: int) -> Trajectory:
         raise MalformedEntry(f"{where}.sampling: expected a map", TYPE)
     if fields["schema_version"] != SCHEMA_VERSION or type(fields["schema_version"]) is not int:
         _int(fields["schema_version"], f"{where}.schema_version", SCHEMA_VERSION, SCHEMA_VERSION)
-    _check_arrays(fields, where)
     return Trajectory(**fields)
 
 
-def _check_arrays(fields: dict, where: str) -> None:
-    """Values of the per-token arrays (vectorised: no per-token Python)."""
-    tokens, logprobs, versions = (fields[k] for k in ("tokens", "behaviour_logprobs",
-                                                      "policy_version"))
+def _check_arrays(trajectories: list[Trajectory]) -> None:
+    """Values of the per-token arrays, a group's at once (no per-token or per-trajectory numpy
+    call: on a few dozen tokens each call costs more than its work); a defect is then looked for
+    trajectory by trajectory, to name it."""
+    tokens, logprobs, versions = (np.concatenate([getattr(t, name) for t in trajectories])
+                                  for name in ("tokens", "behaviour_logprobs", "policy_version"))
+    if tokens.size and (tokens.min() < 0 or versions.min() < -1 or not np.isfinite(logprobs).all()):
+        for index, trajectory in enumerate(trajectories):
+            _check_trajectory_arrays(trajectory, f"trajectory {index}")
+
+
+def _check_trajectory_arrays(trajectory: Trajectory, where: str) -> None:
+    tokens, logprobs, versions = (trajectory.tokens, trajectory.behaviour_logprobs,
+                                  trajectory.policy_version)
     if tokens.size and tokens.min() < 0:
         raise MalformedEntry(f"{where}.tokens: id {int(tokens.min())} < 0", TOKEN_ID)
     finite = np.isfinite(logprobs)
@@ -244,20 +253,23 @@ def _decode(data: bytes) -> Group:
     trajectories = record["trajectories"]
     if not isinstance(trajectories, list) or not trajectories:
         raise MalformedEntry("trajectories: expected a non-empty list", SHAPE)
-    group = Group(group_id=group_id, task_id=task_id,
-                  trajectories=[_decode_trajectory(t, i) for i, t in enumerate(trajectories)],
-                  put_version=put_version)
-    try:
-        group.validate()
-    except ValueError as error:
-        raise MalformedEntry(f"bad group: {error}", RANGE) from None
-    return group
+    decoded = [_decode_trajectory(t, i) for i, t in enumerate(trajectories)]
+    _check_arrays(decoded)
+    for index, trajectory in enumerate(decoded):  # the rest of Group.validate is checked above
+        if trajectory.group_id != group_id:
+            raise MalformedEntry(f"bad group: trajectory {index} names group "
+                                 f"{trajectory.group_id!r:.40}, not {group_id!r:.40}", RANGE)
+    return Group(group_id=group_id, task_id=task_id, trajectories=decoded,
+                 put_version=put_version)
 
 
 def check_tokens(group: Group, vocab_size: int) -> None:
     """Raises MalformedEntry (`token_id`) when a token id is >= `vocab_size` (ids < 0 are refused
     by `decode`): an embedding lookup past the table would train on garbage (on CPU it reads
     NaN-filled or clamped rows), so the learner checks before training."""
+    tokens = np.concatenate([t.tokens for t in group.trajectories])  # one call, not one each
+    if not tokens.size or int(tokens.max()) < vocab_size:
+        return
     for i, t in enumerate(group.trajectories):
         if t.tokens.size and int(t.tokens.max()) >= vocab_size:
             raise MalformedEntry(f"trajectory {i}.tokens: id {int(t.tokens.max())} >= the "

@@ -224,6 +224,27 @@ def test_bad_arrays_are_malformed_with_their_reason(name, values, dtype, reason)
     assert caught.value.reason == reason, str(caught.value)
 
 
+@pytest.mark.parametrize("name,values,reason", [
+    ("behaviour_logprobs", [0, 0, NAN, -1.5, 0], "non_finite"),
+    ("tokens", [5, 9, -3, 7, 1], "token_id"),
+    ("policy_version", [-1, -1, -7, 5, -1], "range"),
+])
+def test_a_bad_value_is_found_and_named_in_any_trajectory(name, values, reason):
+    """A group's arrays are checked at once: the defect of a later trajectory is still caught,
+    and named by its trajectory."""
+    group = full_group()
+    ok = group.trajectories[0]
+    dtype = getattr(ok, name).dtype
+    group.trajectories = [ok, group.trajectories[1], dataclasses.replace(
+        ok, trajectory_id="traj-2", **{name: np.asarray(values, dtype)})]
+    with pytest.raises(MalformedEntry, match=f"trajectory 2.{name}") as caught:
+        decode(encode(group))
+    assert caught.value.reason == reason
+    group.trajectories[2] = dataclasses.replace(ok, tokens=np.array([5, 9, 2, 7, 11], np.int32))
+    with pytest.raises(MalformedEntry, match="trajectory 2.tokens: id 11 >= the model's"):
+        check_tokens(decode(encode(group)), 10)
+
+
 def test_token_ids_are_checked_against_the_vocabulary():
     group = decode(encode(full_group()))  # ids up to 9
     check_tokens(group, 10)
