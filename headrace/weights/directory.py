@@ -5,13 +5,16 @@ Layout under the store's root (docs/design.md, "Weight store"):
 ```
 LATEST                 the newest complete version, as decimal text (written last)
 v{version}/
-  manifest.json        format, version, created time, and per array: dotted path, file, dtype,
-                       shape, byte count, crc32 (in the order the parameters were given)
-  00000.bin ...        one file per array: its raw little-endian bytes, C order
+  manifest.json        format, version, created time, and per array: dotted path, file, offset,
+                       dtype, shape, byte count, crc32 (in the order the parameters were given)
+  arrays.bin           every array's raw little-endian bytes, C order, each at its offset (a
+                       multiple of 64; zeros between)
 ```
+(Format 1, written before format 2 and still read: one file per array, `00000.bin` ..., no
+offsets.)
 
-Publishing (one process only) writes every array and the manifest into a staging directory
-`.tmp-v{version}-*`, fsyncing each file, fsyncs the staging directory, renames it to `v{version}`,
+Publishing (one process only) writes the arrays and the manifest into a staging directory
+`.tmp-v{version}-*`, fsyncing both files, fsyncs the staging directory, renames it to `v{version}`,
 fsyncs the root, and only then writes `LATEST` under a temporary name, fsyncs it and renames it
 over the old pointer. A `v{version}` directory therefore never exists half-written, and a version
 is *published* exactly when the pointer names it (or a later version): a crash at any point before
@@ -20,17 +23,19 @@ the pointer moves leaves the previous version current; a directory the pointer d
 After the pointer moves, versions older than the newest `keep` are pruned: each is first renamed
 to `.gone-*` (atomic, so a reader sees it either whole or absent) and then deleted.
 
-Loading (any number of processes and threads) reads the manifest and the files and checks every
-array's size and crc32. A manifest's file names must be plain names inside the version folder
-(no absolute path, no `..`, no separator; a symbolic link is not followed). A version that was
-pruned, is being pruned, or was never published raises `VersionGone`; a file whose bytes do not
-match its manifest raises `CorruptWeights`.
+Loading (any number of processes and threads) reads the manifest, checks that each data file ends
+where its last array does, then reads every array and checks its crc32. A manifest's file names
+must be plain names inside the version folder (no absolute path, no `..`, no separator; a symbolic
+link is not followed). A version that was pruned, is being pruned, or was never published raises
+`VersionGone`; a file whose bytes do not match its manifest raises `CorruptWeights`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -48,7 +53,6 @@ from headrace.rundir import RunDir
 from headrace.weights.base import Params, VersionGone, WeightStore
 from headrace.weights.format import (
     DTYPES,
-    FORMAT,
     CorruptWeights,
     as_host_array,
     check_params,
@@ -59,6 +63,11 @@ from headrace.weights.memory import MemoryWeightStore
 POINTER = "LATEST"
 PICKUPS = "pickups"  # one file per version: when an actor first sampled with it
 MANIFEST = "manifest.json"
+DATA = "arrays.bin"  # every array of a version, each at an offset that is a multiple of ALIGN
+ALIGN = 64
+# Manifest formats this store reads: 1, one file per array (versions written before DATA); 2,
+# every array in DATA at its `offset`. It writes the last.
+FORMATS = (1, 2)
 _STAGING_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".gone-"
 
@@ -95,6 +104,87 @@ def _write_file(path: pathlib.Path, data, fsync: bool) -> None:
         f.flush()
         if fsync:
             os.fsync(f.fileno())
+
+
+def _open_data(directory: pathlib.Path, version: int, file: str, end: int) -> int:
+    """An open descriptor of data file `file`, which must end where its last array does.
+
+    Raises:
+      CorruptWeights: a symbolic link (not followed), or a file of another size.
+    """
+    try:  # O_NOFOLLOW: a symbolic link planted in the version folder is not followed out
+        fd = os.open(directory / file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise CorruptWeights(f"weights version {version}: {directory / file} is a symbolic "
+                             "link; republish the version") from None
+    size = os.fstat(fd).st_size
+    if size != end:
+        os.close(fd)
+        raise CorruptWeights(f"weights version {version}: {directory / file} is {size} bytes "
+                             f"long, its manifest's arrays end at byte {end}; republish the "
+                             "version")
+    return fd
+
+
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    """One array of a manifest: where its bytes are and what they must be."""
+
+    path: str
+    file: str
+    offset: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    crc32: int
+
+    @classmethod
+    def parse(cls, directory: pathlib.Path, record: object) -> _Record:
+        """Raises CorruptWeights for a record that is malformed, names a file outside the
+        version folder, or claims a byte count its dtype and shape do not have."""
+        try:
+            parsed = cls(record["path"], record["file"], int(record.get("offset", 0)),
+                         DTYPES[record["dtype"]], tuple(int(n) for n in record["shape"]),
+                         int(record["nbytes"]), int(record["crc32"]))
+            ok = (isinstance(parsed.path, str) and parsed.offset >= 0
+                  and all(n >= 0 for n in parsed.shape))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            ok = False
+        if not ok:
+            raise CorruptWeights(f"{directory / MANIFEST} has a malformed array record "
+                                 f"{str(record)[:120]}; republish the version")
+        _check_file_name(directory, parsed.file, parsed.path)
+        if math.prod(parsed.shape) * parsed.dtype.itemsize != parsed.nbytes:
+            raise CorruptWeights(f"{directory / MANIFEST}: parameter {parsed.path!r} claims "
+                                 f"{parsed.nbytes} bytes for {record['dtype']}"
+                                 f"{list(parsed.shape)}")
+        return parsed
+
+    def read(self, fd: int, directory: pathlib.Path, version: int) -> np.ndarray:
+        """The array from open data file `fd`, its crc32 checked.
+
+        Raises:
+          CorruptWeights: the bytes are short or fail the checksum.
+        """
+        array = np.empty(self.shape, self.dtype)
+        flat = memoryview(array.reshape(-1).view(np.uint8))
+        done = 0
+        while done < self.nbytes:  # one read moves at most ~2 GiB on Linux
+            read = os.preadv(fd, [flat[done:]], self.offset + done)
+            if read == 0:
+                raise CorruptWeights(f"weights version {version}: {directory / self.file} "
+                                     f"(parameter {self.path!r}) ends before its {self.nbytes} "
+                                     "bytes; republish the version")
+            done += read
+        actual = zlib.crc32(flat)
+        if actual != self.crc32:
+            raise CorruptWeights(f"weights version {version}: {directory / self.file} (parameter "
+                                 f"{self.path!r}) has crc32 {actual:08x}, the manifest says "
+                                 f"{self.crc32:08x}; the file is corrupt: republish the version "
+                                 "or load another")
+        return array
 
 
 class DirWeightStore(WeightStore):
@@ -198,21 +288,27 @@ class DirWeightStore(WeightStore):
             raise VersionGone(f"weights version {version} is not published in {self.root} "
                               f"(latest: {latest})")
         directory = self.version_dir(version)
+        files: dict[str, int] = {}  # data file name -> open descriptor
         try:
             manifest = self._read_manifest(directory, version)
-            params: Params = {}
-            total = 0
-            for record in manifest["arrays"]:
-                params[record["path"]] = self._read_array(directory, version, record)
-                total += record["nbytes"]
+            records = [_Record.parse(directory, record) for record in manifest["arrays"]]
+            ends: dict[str, int] = {}
+            for record in records:
+                ends[record.file] = max(ends.get(record.file, 0), record.offset + record.nbytes)
+            for file, end in ends.items():
+                files[file] = _open_data(directory, version, file, end)
+            params: Params = {r.path: r.read(files[r.file], directory, version) for r in records}
         except FileNotFoundError as error:
             if directory.is_dir():
                 raise CorruptWeights(f"weights version {version}: {error.filename} is missing "
                                      f"from {directory}; republish the version") from None
             raise VersionGone(f"weights version {version} was pruned from {self.root} "
                               f"(kept: {self.versions()})") from None
+        finally:
+            for fd in files.values():
+                os.close(fd)
         self.last_load_s = time.perf_counter() - start
-        self.last_load_bytes = total
+        self.last_load_bytes = sum(r.nbytes for r in records)
         return params
 
     def _read_manifest(self, directory: pathlib.Path, version: int) -> dict:
@@ -220,52 +316,17 @@ class DirWeightStore(WeightStore):
         raw = path.read_bytes()
         try:
             manifest = json.loads(raw)
-            ok = (manifest["format"] == FORMAT and manifest["version"] == version
+            ok = (manifest["format"] in FORMATS and manifest["version"] == version
                   and isinstance(manifest["arrays"], list))
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:
-            raise CorruptWeights(f"{path} is not a format-{FORMAT} manifest of version {version}; "
-                                 "republish the version")
+            raise CorruptWeights(f"{path} is not a format-{FORMATS} manifest of version "
+                                 f"{version}; republish the version")
         if manifest.get("byteorder", "little") != sys.byteorder:
             raise CorruptWeights(f"{path} was written on a {manifest['byteorder']}-endian host; "
                                  f"this host is {sys.byteorder}-endian")
         return manifest
-
-    def _read_array(self, directory: pathlib.Path, version: int, record: dict) -> np.ndarray:
-        try:
-            dtype = DTYPES[record["dtype"]]
-            shape = tuple(int(n) for n in record["shape"])
-            file, nbytes, crc = record["file"], int(record["nbytes"]), int(record["crc32"])
-            name = record["path"]
-        except (KeyError, TypeError, ValueError):
-            raise CorruptWeights(f"{directory / MANIFEST} has a malformed array record "
-                                 f"{str(record)[:120]}; republish the version") from None
-        _check_file_name(directory, file, name)
-        array = np.empty(shape, dtype)
-        if array.nbytes != nbytes:
-            raise CorruptWeights(f"{directory / MANIFEST}: parameter {name!r} claims {nbytes} "
-                                 f"bytes for {record['dtype']}{list(shape)}")
-        flat = array.reshape(-1).view(np.uint8)
-        try:  # O_NOFOLLOW: a symbolic link planted in the version folder is not followed out
-            fd = os.open(directory / file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as error:
-            if error.errno != errno.ELOOP:
-                raise
-            raise CorruptWeights(f"weights version {version}: {directory / file} (parameter "
-                                 f"{name!r}) is a symbolic link; republish the version") from None
-        with os.fdopen(fd, "rb") as f:
-            read = f.readinto(flat)
-            extra = f.read(1)
-        if read != nbytes or extra:
-            raise CorruptWeights(f"weights version {version}: {directory / file} (parameter "
-                                 f"{name!r}) is not {nbytes} bytes long; republish the version")
-        actual = zlib.crc32(flat)
-        if actual != crc:
-            raise CorruptWeights(f"weights version {version}: {directory / file} (parameter "
-                                 f"{name!r}) has crc32 {actual:08x}, the manifest says {crc:08x}; "
-                                 "the file is corrupt: republish the version or load another")
-        return array
 
     # --- writing -------------------------------------------------------------------------------
 
@@ -310,16 +371,22 @@ class DirWeightStore(WeightStore):
     def _write_version(self, staging: pathlib.Path, version: int,
                        arrays: list[tuple[str, np.ndarray]]) -> int:
         records = []
-        total = 0
-        for index, (path, array) in enumerate(arrays):
-            data = array.reshape(-1).view(np.uint8)
-            file = f"{index:05d}.bin"
-            _write_file(staging / file, data, self._fsync)
-            records.append({"path": path, "file": file, "dtype": array.dtype.name,
-                            "shape": list(array.shape), "nbytes": int(array.nbytes),
-                            "crc32": zlib.crc32(data)})
-            total += array.nbytes
-        manifest = {"format": FORMAT, "version": version, "created": time.time(),
+        end = 0
+        with open(staging / DATA, "xb") as f:  # one file, not one per array: a publish costs a
+            for path, array in arrays:          # few syscalls whatever the parameter count
+                data = array.reshape(-1).view(np.uint8)
+                offset = -(-end // ALIGN) * ALIGN
+                f.write(bytes(offset - end))
+                f.write(data)
+                records.append({"path": path, "file": DATA, "offset": offset,
+                                "dtype": array.dtype.name, "shape": list(array.shape),
+                                "nbytes": int(array.nbytes), "crc32": zlib.crc32(data)})
+                end = offset + array.nbytes
+            f.flush()
+            if self._fsync:
+                os.fsync(f.fileno())
+        total = sum(record["nbytes"] for record in records)
+        manifest = {"format": FORMATS[-1], "version": version, "created": time.time(),
                     "byteorder": sys.byteorder, "total_bytes": total, "arrays": records}
         _write_file(staging / MANIFEST, json.dumps(manifest, indent=1).encode(), self._fsync)
         if self._fsync:

@@ -172,10 +172,41 @@ def test_layout_manifest_and_pointer(tmp_path):
     records = {r["path"]: r for r in manifest["arrays"]}
     assert records["layers.0.attn.q.kernel"]["dtype"] == "bfloat16"
     assert records["step"]["shape"] == [] and records["embed.table"]["shape"] == [16, 8]
-    for record in manifest["arrays"]:
-        assert (tmp_path / "v4" / record["file"]).stat().st_size == record["nbytes"]
+    # Every array in one data file, at offsets aligned to 64 bytes, back to back, the file ending
+    # where the last one does: a publish writes two files whatever the parameter count.
+    assert manifest["format"] == 2 and sorted(p.name for p in (tmp_path / "v4").iterdir()) == [
+        "arrays.bin", MANIFEST]
+    data, end = (tmp_path / "v4" / "arrays.bin").read_bytes(), 0
+    for record, array in zip(manifest["arrays"], params.values()):
+        assert record["file"] == "arrays.bin" and record["offset"] % 64 == 0
+        assert end <= record["offset"] < end + 64
+        end = record["offset"] + record["nbytes"]
+        assert data[record["offset"]:end] == np.ascontiguousarray(array).tobytes()
+    assert len(data) == end
     # Nothing temporary is left behind.
     assert sorted(p.name for p in tmp_path.iterdir()) == [POINTER, "v4"]
+
+
+def test_versions_of_the_first_format_still_load(tmp_path):
+    """Run folders written before the one data file (format 1: a file per array, no offsets)
+    still load: evaluation and export of an older run read them."""
+    params = make_params(3)
+    (tmp_path / "v3").mkdir()
+    records = []
+    for index, (path, array) in enumerate(params.items()):
+        data = np.ascontiguousarray(array).tobytes()
+        (tmp_path / "v3" / f"{index:05d}.bin").write_bytes(data)
+        records.append({"path": path, "file": f"{index:05d}.bin", "dtype": array.dtype.name,
+                        "shape": list(array.shape), "nbytes": len(data),
+                        "crc32": zlib.crc32(data)})
+    (tmp_path / "v3" / MANIFEST).write_text(json.dumps(
+        {"format": 1, "version": 3, "created": 0.0, "byteorder": sys.byteorder,
+         "arrays": records}))
+    (tmp_path / POINTER).write_text("3\n")
+    assert_same(DirWeightStore(tmp_path).load(3), params)
+    (tmp_path / "v3" / "00001.bin").write_bytes(b"\0" * 3)  # still checked file by file
+    with pytest.raises(CorruptWeights, match="00001.bin is 3 bytes long"):
+        DirWeightStore(tmp_path).load(3)
 
 
 def test_timings_are_recorded(tmp_path):
