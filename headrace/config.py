@@ -435,7 +435,8 @@ class Config:
                "has no adapter rules yet): set model.lora.rank: 0 or parallel.mesh to one device "
                "and parallel.processes: 1")
         processes = self.parallel.processes
-        _check(not self.run.learner_cpus or len(self.run.learner_cpus) >= processes,
+        _check(not self.run.learner_cpus or self.run.launcher != "processes"
+               or len(self.run.learner_cpus) >= processes,
                "run.learner_cpus", list(self.run.learner_cpus), f"each of the {processes} learner "
                f"processes (parallel.processes) is pinned to CPUs of its own from this list: name "
                f"at least {processes}, or [] to leave them unpinned")
