@@ -10,6 +10,7 @@ so on a small machine an unpinned learner's and actors' thread pools contend for
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Collection
 
 from headrace.config import ConfigError, RunConfig
@@ -36,17 +37,33 @@ def actor_cpus(run: RunConfig, usable: Collection[int]) -> tuple[int, ...]:
 
 
 def check(run: RunConfig, keys: tuple[str, ...] = ("learner_cpus", "actor_cpus")) -> None:
-    """Refuses CPU ids (of `run.<key>` for each of `keys`) this process may not run on, before a
-    process pinned to them fails.
+    """Refuses CPU ids (of `run.<key>` for each of `keys`) no process here may be pinned to,
+    before a process pinned to them fails.
+
+    The kernel is asked, on a thread of its own (pinning a thread pins nothing else): a process
+    may be pinned to CPUs outside its own affinity (the utilisation bench narrows the
+    supervisor's to leave CPU 0 to the learner), but not outside the container's CPU set.
 
     Raises:
-      ConfigError: the key, the ids and the CPUs there are.
+      ConfigError: the key, the ids and the CPUs this process runs on.
     """
-    usable = usable_cpus()
+    wanted = sorted({cpu for key in keys for cpu in getattr(run, key)})
+    refused: list[int] = []
+
+    def probe() -> None:
+        for cpu in wanted:
+            try:
+                os.sched_setaffinity(0, {cpu})  # 0: this thread
+            except OSError:
+                refused.append(cpu)
+
+    thread = threading.Thread(target=probe, name="cpu-probe")
+    thread.start()
+    thread.join()
     for key in keys:
-        cpus = getattr(run, key)
-        missing = sorted(set(cpus) - usable)
+        missing = sorted(set(getattr(run, key)) & set(refused))
         if missing:
-            raise ConfigError(f"run.{key}={list(cpus)}: this machine lets headrace run on CPUs "
-                              f"{sorted(usable)}, not {missing}; name some of those, or [] to "
-                              "leave the process unpinned")
+            raise ConfigError(f"run.{key}={list(getattr(run, key))}: CPU {missing} does not exist "
+                              f"here or is outside this container's CPU set (headrace runs on CPUs "
+                              f"{sorted(usable_cpus())}); name CPUs that exist, or [] to leave the "
+                              "process unpinned")

@@ -23,7 +23,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # axes: mesh axis names that `model` may import; versions: the trained-at forecast;
     # rundir: a run folder's file names
     ("types", "configtree", "config_learner", "config", "shapes", "axes", "versions", "rundir",
-     "xla_flags"),  # xla_flags: set before JAX starts, by the command line and Ray workers
+     "xla_flags", "placement"),  # xla_flags: set before JAX starts, by the command line and Ray
+    # workers; placement: the CPUs the processes launcher pins its children to
     ("formats",),  # checkpoint files (HF folders, GGUF) read as dicts and arrays
     ("text", "env", "model", "parallel", "metrics", "sim"),
     ("buffer", "weights", "engines"),  # engines: inference servers the actor samples from
@@ -35,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 NEVER = {("actor", "learner"), ("learner", "actor")}
 NO_JAX = ("types", "configtree", "config_learner", "config", "shapes", "axes", "versions", "rundir",
-          "xla_flags", "formats", "text", "env", "sim", "engines")
+          "xla_flags", "placement", "formats", "text", "env", "sim", "engines")
 JAX_ROOTS = ("jax", "jaxlib", "flax", "optax", "orbax")
 
 

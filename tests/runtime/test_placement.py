@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -41,6 +42,28 @@ def test_the_supervisor_pins_children_where_the_placement_says(monkeypatch, tmp_
 def test_several_learner_processes_need_a_cpu_each():
     with pytest.raises(ConfigError, match="run.learner_cpus.*at least 2"):
         load(EXAMPLE, overrides=["parallel.processes=2", "run.learner_cpus=[0]"])
+
+
+def test_a_narrowed_supervisor_may_still_pin_a_learner_outside_its_own_cpus():
+    """The utilisation bench narrows its own process to leave CPU 0 to the learner: the check
+    asks the kernel what a child may be pinned to, not what the checking process runs on."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    config = load(EXAMPLE, overrides=[f"run.learner_cpus=[{cpus[0]}]"])
+    errors: list[Exception] = []
+
+    def narrowed() -> None:
+        os.sched_setaffinity(0, {cpus[1]})  # this thread only, as the bench narrows itself
+        try:
+            placement.check(config.run)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=narrowed)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive() and not errors
 
 
 def _refused(*args: str) -> subprocess.CompletedProcess:
