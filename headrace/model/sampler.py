@@ -227,11 +227,13 @@ class Sampler:
     def _request(self, news: Sequence[Sequence[int]], starts: Sequence[int], rows: int,
                  width: int) -> Request:
         """`rows` x `width` of new tokens, right-aligned; rows past `news` are padding."""
-        tokens_bw = np.full((rows, width), self.settings.pad_id, np.int32)
+        lengths = np.fromiter(map(len, news), np.int64, len(news))
         valid_bw = np.zeros((rows, width), bool)
-        for i, new in enumerate(news):
-            tokens_bw[i, width - len(new):] = new
-            valid_bw[i, width - len(new):] = True
+        valid_bw[:len(news)] = np.arange(width) >= width - lengths[:, None]
+        tokens_bw = np.full((rows, width), self.settings.pad_id, np.int32)
+        # Row-major order of the valid cells is each row's tokens in order: one assignment.
+        tokens_bw[valid_bw] = np.fromiter(itertools.chain.from_iterable(news), np.int32,
+                                          int(lengths.sum()))
         valid_bw[len(news):, -1] = True  # padding rows see one token: none attends to nothing
         start_b = np.zeros(rows, np.int32)
         start_b[:len(news)] = starts
