@@ -73,6 +73,9 @@ class RunConfig:
                    "(e.g. {CPU: 1} or {GPU: 1})")
         for key in ("max_steps", "eval_every", "checkpoint_every"):
             _check(getattr(self, key) >= 0, f"run.{key}", getattr(self, key), "must be >= 0")
+        for key in ("learner_cpus", "actor_cpus"):
+            _check(all(cpu >= 0 for cpu in getattr(self, key)), f"run.{key}",
+                   list(getattr(self, key)), "CPU ids are >= 0")
         for key in ("max_wall_s", "max_train_s"):
             _check(getattr(self, key) >= 0, f"run.{key}", getattr(self, key), "must be >= 0")
         _check(0 < self.eval_target <= 1, "run.eval_target", self.eval_target, "must be in (0, 1]")

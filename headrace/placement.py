@@ -54,7 +54,7 @@ def check(run: RunConfig, keys: tuple[str, ...] = ("learner_cpus", "actor_cpus")
         for cpu in wanted:
             try:
                 os.sched_setaffinity(0, {cpu})  # 0: this thread
-            except OSError:
+            except (OSError, ValueError, OverflowError):  # EINVAL; an id past the C types
                 refused.append(cpu)
 
     thread = threading.Thread(target=probe, name="cpu-probe")

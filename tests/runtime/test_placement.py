@@ -39,9 +39,11 @@ def test_the_supervisor_pins_children_where_the_placement_says(monkeypatch, tmp_
         learners, actors)
 
 
-def test_several_learner_processes_need_a_cpu_each():
+def test_several_learner_processes_need_a_cpu_each_and_ids_are_not_negative():
     with pytest.raises(ConfigError, match="run.learner_cpus.*at least 2"):
         load(EXAMPLE, overrides=["parallel.processes=2", "run.learner_cpus=[0]"])
+    with pytest.raises(ConfigError, match="run.actor_cpus.*>= 0"):
+        load(EXAMPLE, overrides=["run.actor_cpus=[1, -1]"])
 
 
 def test_a_narrowed_supervisor_may_still_pin_a_learner_outside_its_own_cpus():
@@ -73,7 +75,7 @@ def _refused(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(150)
 def test_cpus_the_machine_lacks_are_refused_before_anything_starts(tmp_path):
-    absent = max(os.sched_getaffinity(0)) + 1
+    absent = 4000  # past any machine of this kind's CPUs (and its container's CPU set)
     run_dir = tmp_path / "run"
     learner = _refused("train", EXAMPLE, "--set", f"run.learner_cpus=[{absent}]", "--set",
                        f"run.dir={run_dir}")
