@@ -45,11 +45,8 @@ class RunConfig:
     launcher: Literal["threads", "processes", "ray"] = "processes"  # how components are run
     log_every: int = 10  # learner steps between metric records
     trace_rate: float = 0.01  # share of groups traced stage by stage into traces.jsonl (0: off)
-    # processes launcher: pin the learner here (XLA runs a thread per CPU given; learner process i
-    # of parallel.processes=n gets every n-th from the i-th); empty: anywhere
-    learner_cpus: tuple[int, ...] = ()
-    # processes launcher: pin the actors here; empty: the CPUs a pinned learner leaves, else anywhere
-    actor_cpus: tuple[int, ...] = ()
+    learner_cpus: tuple[int, ...] = ()  # processes launcher: pin the learner(s) here (placement.py)
+    actor_cpus: tuple[int, ...] = ()  # processes launcher: the actors' (empty: what the learner leaves)
     ray_address: str = ""  # ray launcher: the cluster to join (empty: $RAY_ADDRESS, else a local one)
     ray_learner_bundle: dict[str, float] = dataclasses.field(
         default_factory=lambda: {"CPU": 1.0})  # ray: resources reserved per learner host (GPU, TPU,
@@ -74,8 +71,8 @@ class RunConfig:
         for key in ("max_steps", "eval_every", "checkpoint_every"):
             _check(getattr(self, key) >= 0, f"run.{key}", getattr(self, key), "must be >= 0")
         for key in ("learner_cpus", "actor_cpus"):
-            _check(all(cpu >= 0 for cpu in getattr(self, key)), f"run.{key}",
-                   list(getattr(self, key)), "CPU ids are >= 0")
+            cpus = list(getattr(self, key))
+            _check(min(cpus, default=0) >= 0, f"run.{key}", cpus, "CPU ids must be >= 0")
         for key in ("max_wall_s", "max_train_s"):
             _check(getattr(self, key) >= 0, f"run.{key}", getattr(self, key), "must be >= 0")
         _check(0 < self.eval_target <= 1, "run.eval_target", self.eval_target, "must be in (0, 1]")
@@ -437,12 +434,10 @@ class Config:
                self.model.lora.rank, "LoRA trains on one learner device (the sharded learner "
                "has no adapter rules yet): set model.lora.rank: 0 or parallel.mesh to one device "
                "and parallel.processes: 1")
-        processes = self.parallel.processes
-        _check(not self.run.learner_cpus or self.run.launcher != "processes"
-               or len(self.run.learner_cpus) >= processes,
-               "run.learner_cpus", list(self.run.learner_cpus), f"each of the {processes} learner "
-               f"processes (parallel.processes) is pinned to CPUs of its own from this list: name "
-               f"at least {processes}, or [] to leave them unpinned")
+        n, cpus = self.parallel.processes, self.run.learner_cpus
+        _check(not cpus or self.run.launcher != "processes" or len(cpus) >= n, "run.learner_cpus",
+               list(cpus), f"each of the {n} learner processes (parallel.processes) gets CPUs of its own "
+               f"from this list: name at least {n}, or [] to leave them unpinned")
         _check(self.buffer.shard_count == 1 or self.run.launcher == "processes",
                "buffer.shards", self.buffer.shard_count, "shards are Redis streams that actor "
                "processes write to by their ids: needs run.launcher=processes")

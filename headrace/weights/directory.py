@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
-import math
 import os
 import pathlib
 import shutil
@@ -52,11 +51,11 @@ from headrace.config import WeightsConfig
 from headrace.rundir import RunDir
 from headrace.weights.base import Params, VersionGone, WeightStore
 from headrace.weights.format import (
-    DTYPES,
     CorruptWeights,
     as_host_array,
     check_params,
     check_version,
+    parse_record,
 )
 from headrace.weights.memory import MemoryWeightStore
 
@@ -142,25 +141,18 @@ class _Record:
 
     @classmethod
     def parse(cls, directory: pathlib.Path, record: object) -> _Record:
-        """Raises CorruptWeights for a record that is malformed, names a file outside the
-        version folder, or claims a byte count its dtype and shape do not have."""
+        """Raises CorruptWeights for a record that is malformed (`format.parse_record`), names a
+        file outside the version folder, or has a negative offset."""
+        path, dtype, shape, nbytes, crc = parse_record(record, str(directory / MANIFEST))
         try:
-            parsed = cls(record["path"], record["file"], int(record.get("offset", 0)),
-                         DTYPES[record["dtype"]], tuple(int(n) for n in record["shape"]),
-                         int(record["nbytes"]), int(record["crc32"]))
-            ok = (isinstance(parsed.path, str) and parsed.offset >= 0
-                  and all(n >= 0 for n in parsed.shape))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            ok = False
-        if not ok:
+            file, offset = record["file"], int(record.get("offset", 0))  # format 1: no offset
+        except (KeyError, TypeError, ValueError):
+            file, offset = None, -1
+        if offset < 0:
             raise CorruptWeights(f"{directory / MANIFEST} has a malformed array record "
                                  f"{str(record)[:120]}; republish the version")
-        _check_file_name(directory, parsed.file, parsed.path)
-        if math.prod(parsed.shape) * parsed.dtype.itemsize != parsed.nbytes:
-            raise CorruptWeights(f"{directory / MANIFEST}: parameter {parsed.path!r} claims "
-                                 f"{parsed.nbytes} bytes for {record['dtype']}"
-                                 f"{list(parsed.shape)}")
-        return parsed
+        _check_file_name(directory, file, path)
+        return cls(path, file, offset, dtype, shape, nbytes, crc)
 
     def read(self, fd: int, directory: pathlib.Path, version: int) -> np.ndarray:
         """The array from open data file `fd`, its crc32 checked.
