@@ -78,11 +78,50 @@ class Batch:
 
 
 @dataclasses.dataclass
-class _Item:
-    trajectory: Trajectory
-    length: int
-    advantage: float
-    mask: np.ndarray  # bool[length], trainable loss tokens (token 0 excluded)
+class _Columns:
+    """A minibatch's trajectories end to end, those with a trainable token, each cut to its
+    length: every per-token field concatenated in order, `starts[i]` where the i-th begins."""
+
+    lengths: np.ndarray  # int64[items]
+    starts: np.ndarray  # int64[items]
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    mask: np.ndarray  # bool: trainable tokens (the loss mask, a trajectory's first token off)
+    advantages: np.ndarray  # float32[items]
+    item_loss_tokens: np.ndarray  # int64[items]
+
+    @classmethod
+    def of(cls, chosen: list[tuple[Trajectory, int, float]]) -> _Columns:
+        """From (trajectory, length, advantage) triples; those left without a trainable token
+        are dropped."""
+        lengths = np.fromiter((n for _, n, _ in chosen), np.int64, len(chosen))
+        starts = np.cumsum(lengths) - lengths
+
+        def joined(name: str, dtype) -> np.ndarray:
+            parts = [getattr(t, name)[:n] for t, n, _ in chosen]
+            return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+        mask = joined("loss_mask", bool)  # a new array: concatenate copies
+        mask[starts] = False  # nothing precedes a segment's first token in its segment
+        loss = (np.add.reduceat(mask, starts, dtype=np.int64) if chosen
+                else np.zeros(0, np.int64))
+        columns = cls(lengths, starts, joined("tokens", np.int32),
+                      joined("behaviour_logprobs", np.float32),
+                      joined("policy_version", np.int32), mask,
+                      np.array([a for _, _, a in chosen], np.float32), loss)
+        return columns if loss.all() else columns._only(loss > 0)
+
+    def _only(self, keep: np.ndarray) -> _Columns:
+        per_token = np.repeat(keep, self.lengths)
+        lengths = self.lengths[keep]
+        return _Columns(lengths, np.cumsum(lengths) - lengths, self.tokens[per_token],
+                        self.logprobs[per_token], self.versions[per_token], self.mask[per_token],
+                        self.advantages[keep], self.item_loss_tokens[keep])
+
+    @property
+    def loss_tokens(self) -> int:
+        return int(self.item_loss_tokens.sum())
 
 
 class Batcher:
@@ -105,48 +144,49 @@ class Batcher:
         self.layout = layout
         self.policy = ShapePolicy.from_config(shapes, learner, row_multiple)
         self.peers = peers
-        self._positions = np.arange(self.policy.longest, dtype=np.int32)
 
     def build(self, groups: Sequence[Group]) -> Batch:
         """Packs the step's groups into microbatches (counts batch/truncated and batch/rejected;
         gauges batch/packing_efficiency). Never raises for lengths: over-long ones are handled."""
         splits = np.array_split(np.arange(len(groups)), min(self.learner.minibatches,
                                                             max(len(groups), 1)))
-        minibatches = [self._items([groups[i] for i in split]) for split in splits]
-        plans = packing.plan_step([[it.length for it in items] for items in minibatches],
-                                  self.policy, self.layout)
-        counts = np.array([[sum(int(it.mask.sum()) for it in items), len(items)]
-                           for items in minibatches], np.int64).reshape(-1, 2)
+        minibatches = [_Columns.of(self._chosen([groups[i] for i in split]))
+                       for split in splits]
+        plans = packing.plan_step([mb.lengths.tolist() for mb in minibatches], self.policy,
+                                  self.layout)
+        counts = np.array([[mb.loss_tokens, len(mb.lengths)] for mb in minibatches],
+                          np.int64).reshape(-1, 2)
         if self.peers is not None:  # one global minibatch over every learner process
             counts = self.peers.total(counts)
             plans = _pad_to(plans, self.peers.agree([[p.shape for p in mb] for mb in plans]))
         out: list[Microbatch] = []
         updates = real = loss = slots = placed = 0
-        for index, (items, mb_plans) in enumerate(zip(minibatches, plans)):
-            weights = self._weights(items, *counts[index])
+        for index, (columns, mb_plans) in enumerate(zip(minibatches, plans)):
+            weight = self._weights(columns, *counts[index])
             for k, plan in enumerate(mb_plans):
-                out.append(Microbatch(self._fill(plan, items, weights), index,
+                out.append(Microbatch(_fill(plan, columns, weight), index,
                                       last=k == len(mb_plans) - 1))
                 slots += plan.slots
             updates += bool(mb_plans)
-            real += sum(it.length for it in items)
-            loss += sum(int(it.mask.sum()) for it in items)
-            placed += len(items)
+            real += columns.tokens.size
+            loss += columns.loss_tokens
+            placed += len(columns.lengths)
         batch = Batch(out, updates, real, loss, slots, placed)
         self.metrics.gauge("batch/packing_efficiency", batch.packing_efficiency)
         self.metrics.gauge("batch/microbatches", len(out))
         return batch
 
-    def _items(self, groups: Sequence[Group]) -> list[_Item]:
+    def _chosen(self, groups: Sequence[Group]) -> list[tuple[Trajectory, int, float]]:
+        """(trajectory, length to train, advantage) of each trajectory packing may place."""
         cfg = self.learner
         longest = self.policy.longest
-        items = []
+        chosen = []
         truncated = rejected = 0
         for group in groups:
             valid = np.array([t.status != STATUS_ERROR for t in group.trajectories])
             rewards = np.array([t.reward for t in group.trajectories])
             adv = group_advantages(rewards, valid, cfg.advantage, cfg.advantage_std_norm)
-            for t, ok, a in zip(group.trajectories, valid, adv):
+            for t, ok, a in zip(group.trajectories, valid.tolist(), adv.tolist()):
                 n = len(t)
                 if not ok or n == 0:
                     continue
@@ -156,42 +196,51 @@ class Batcher:
                         continue
                     truncated += 1
                     n = longest
-                mask = np.asarray(t.loss_mask[:n], bool).copy()
-                mask[0] = False
-                if mask.any():
-                    items.append(_Item(t, n, float(a), mask))
+                chosen.append((t, n, a))
         if truncated:
             self.metrics.count("batch/truncated", truncated)
         if rejected:
             self.metrics.count("batch/rejected", rejected)
-        return items
+        return chosen
 
-    def _weights(self, items: list[_Item], loss_tokens: int, trajectories: int) -> list[np.ndarray]:
-        """Per-trajectory token weights summing to 1 over the minibatch's loss tokens (the counts
-        are the minibatch's: over every learner process when there are several)."""
+    def _weights(self, columns: _Columns, loss_tokens: int, trajectories: int) -> np.ndarray:
+        """Per-token weights summing to 1 over the minibatch's loss tokens (the counts are the
+        minibatch's: over every learner process when there are several)."""
         if self.learner.loss_agg == "token_mean":
-            total = max(int(loss_tokens), 1)
-            return [it.mask / np.float32(total) for it in items]
+            return columns.mask / np.float32(max(int(loss_tokens), 1))
         # sequence_mean: every trajectory with loss tokens weighs 1 / (their count)
-        return [it.mask / np.float32(it.mask.sum() * max(int(trajectories), 1)) for it in items]
+        per_item = (columns.item_loss_tokens * max(int(trajectories), 1)).astype(np.float32)
+        return columns.mask / np.repeat(per_item, columns.lengths)
 
-    def _fill(self, plan: packing.MicrobatchPlan, items: list[_Item],
-              weights: list[np.ndarray]) -> dict[str, np.ndarray]:
-        arrays = {name: np.zeros(plan.shape, dtype) for name, dtype in FIELDS.items()}
-        segment = np.zeros(plan.rows, np.int32)
-        for p in plan.placements:
-            item, t = items[p.item], items[p.item].trajectory
-            row, cols = p.row, slice(p.offset, p.offset + p.length)
-            segment[row] += 1
-            arrays["tokens"][row, cols] = t.tokens[:p.length]
-            arrays["positions"][row, cols] = self._positions[:p.length]
-            arrays["segment_ids"][row, cols] = segment[row]
-            arrays["loss_mask"][row, cols] = item.mask
-            arrays["behaviour_logprobs"][row, cols] = t.behaviour_logprobs[:p.length]
-            arrays["advantages"][row, cols] = item.advantage
-            arrays["policy_version"][row, cols] = t.policy_version[:p.length]
-            arrays["weight"][row, cols] = weights[p.item]
+
+def _fill(plan: packing.MicrobatchPlan, columns: _Columns,
+          weight: np.ndarray) -> dict[str, np.ndarray]:
+    """The microbatch's arrays: every placement's tokens copied at once (index arrays built from
+    the plan; no per-trajectory copy)."""
+    arrays = {name: np.zeros(plan.shape, dtype) for name, dtype in FIELDS.items()}
+    if not plan.placements:
         return arrays
+    item, row, offset, length = np.array(
+        [(p.item, p.row, p.offset, p.length) for p in plan.placements], np.int64).T
+    total = int(length.sum())
+    within = np.arange(total) - np.repeat(np.cumsum(length) - length, length)  # its position
+    dst = np.repeat(row * plan.width + offset, length) + within
+    src = np.repeat(columns.starts[item], length) + within
+    # a row's segments are numbered 1, 2, ... in placement order
+    order = np.argsort(row, kind="stable")
+    first = np.searchsorted(row[order], row[order])  # where each one's row begins, sorted
+    segment = np.empty_like(row)
+    segment[order] = np.arange(len(row)) - first + 1
+    flat = {name: array.reshape(-1) for name, array in arrays.items()}  # views
+    flat["tokens"][dst] = columns.tokens[src]
+    flat["positions"][dst] = within
+    flat["segment_ids"][dst] = np.repeat(segment, length)
+    flat["loss_mask"][dst] = columns.mask[src]
+    flat["behaviour_logprobs"][dst] = columns.logprobs[src]
+    flat["advantages"][dst] = np.repeat(columns.advantages[item], length)
+    flat["policy_version"][dst] = columns.versions[src]
+    flat["weight"][dst] = weight[src]
+    return arrays
 
 
 def _pad_to(plans: list[list[packing.MicrobatchPlan]],

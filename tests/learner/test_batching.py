@@ -83,6 +83,7 @@ def test_batch_matches_reference(loss_agg, budget):
     lengths = [list(rng.integers(1, 40, 4)) for _ in range(6)]  # some longer than 32: truncated
     groups = make_groups(lengths)
     groups[2].trajectories[1].status = STATUS_ERROR
+    groups[1].trajectories[1].loss_mask[:] = [True] + [False] * (len(groups[1].trajectories[1]) - 1)
     cfg = LearnerConfig(groups_per_batch=6, minibatches=2, token_budget=budget, loss_agg=loss_agg)
     metrics = Metrics()
     batch = Batcher(cfg, ShapesConfig(buckets=BUCKETS), metrics).build(groups)
