@@ -63,12 +63,18 @@ class Distribution:
             self.add(value)
 
     def quantiles(self, qs: Iterable[float]) -> list[float]:
+        return self.summary(qs)[0]
+
+    def summary(self, qs: Iterable[float]) -> tuple[list[float], float]:
+        """(the quantiles `qs`, the mean) of the window, from one copy of it."""
         if not self._values:
-            return [float("nan") for _ in qs]
-        return [float(v) for v in np.quantile(np.fromiter(self._values, float), list(qs))]
+            return [float("nan") for _ in qs], float("nan")
+        values = np.fromiter(self._values, float, len(self._values))
+        return [float(v) for v in np.quantile(values, list(qs))], float(values.mean())
 
     def mean(self) -> float:
-        return float(np.mean(self._values)) if self._values else float("nan")
+        # a builtin sum: numpy would first convert the deque element by element, 5x slower
+        return sum(self._values) / len(self._values) if self._values else float("nan")
 
     def max(self) -> float:
         return max(self._values) if self._values else float("nan")
@@ -164,9 +170,10 @@ class Metrics:
             out.update(self.gauges)
             quantiles = [q for _, q, _ in SERIES if q is not None]
             for name, dist in self.dists.items():
-                values = iter(dist.quantiles(quantiles))
+                values, mean = dist.summary(quantiles)
+                values = iter(values)
                 for suffix, q, _ in SERIES:
-                    out[f"{name}{suffix}"] = next(values) if q is not None else dist.mean()
+                    out[f"{name}{suffix}"] = next(values) if q is not None else mean
             for name, dist in self.averages.items():
                 out[name] = dist.mean()
             return out
