@@ -45,7 +45,7 @@ class RunConfig:
     launcher: Literal["threads", "processes", "ray"] = "processes"  # how components are run
     log_every: int = 10  # learner steps between metric records
     trace_rate: float = 0.01  # share of groups traced stage by stage into traces.jsonl (0: off)
-    learner_cpus: tuple[int, ...] = ()  # processes launcher: pin the learner(s) here (placement.py)
+    learner_cpus: tuple[int, ...] | Literal["auto"] = ()  # processes launcher: placement.py
     actor_cpus: tuple[int, ...] = ()  # processes launcher: the actors' (empty: what the learner leaves)
     ray_address: str = ""  # ray launcher: the cluster to join (empty: $RAY_ADDRESS, else a local one)
     ray_learner_bundle: dict[str, float] = dataclasses.field(
@@ -71,7 +71,7 @@ class RunConfig:
         for key in ("max_steps", "eval_every", "checkpoint_every"):
             _check(getattr(self, key) >= 0, f"run.{key}", getattr(self, key), "must be >= 0")
         for key in ("learner_cpus", "actor_cpus"):
-            cpus = list(getattr(self, key))
+            cpus = [] if getattr(self, key) == "auto" else list(getattr(self, key))
             _check(min(cpus, default=0) >= 0, f"run.{key}", cpus, "CPU ids must be >= 0")
         for key in ("max_wall_s", "max_train_s"):
             _check(getattr(self, key) >= 0, f"run.{key}", getattr(self, key), "must be >= 0")
@@ -435,9 +435,9 @@ class Config:
                "has no adapter rules yet): set model.lora.rank: 0 or parallel.mesh to one device "
                "and parallel.processes: 1")
         n, cpus = self.parallel.processes, self.run.learner_cpus
-        _check(not cpus or self.run.launcher != "processes" or len(cpus) >= n, "run.learner_cpus",
-               list(cpus), f"each of the {n} learner processes (parallel.processes) gets CPUs of its own "
-               f"from this list: name at least {n}, or [] to leave them unpinned")
+        _check(cpus in ((), "auto") or self.run.launcher != "processes" or len(cpus) >= n,
+               "run.learner_cpus", list(cpus), f"each of the {n} learner processes gets CPUs "
+               f"of its own from this list: name at least {n}, [] (unpinned) or auto")
         _check(self.buffer.shard_count == 1 or self.run.launcher == "processes",
                "buffer.shards", self.buffer.shard_count, "shards are Redis streams that actor "
                "processes write to by their ids: needs run.launcher=processes")

@@ -62,7 +62,8 @@ def _coerce(value: Any, annotation: Any, key: str, converters: Converters | None
                 return _coerce(value, option, key)
             except ConfigError:
                 continue
-        raise ConfigError(f"{key}={value!r}: must be {annotation}")
+        raise ConfigError(f"{key}={value!r}: must be "
+                          + " or ".join(map(_described, typing.get_args(annotation))))
     if origin is tuple:
         _check(isinstance(value, (list, tuple)), key, value, "must be a list")
         (item_type, _) = typing.get_args(annotation)
@@ -93,6 +94,16 @@ def _coerce(value: Any, annotation: Any, key: str, converters: Converters | None
         _check(isinstance(value, str), key, value, "must be a string")
         return value
     raise TypeError(f"unsupported config annotation {annotation} at {key}")
+
+
+def _described(annotation: Any) -> str:
+    """What a value of `annotation` is, in words (for an error naming several)."""
+    if typing.get_origin(annotation) is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(annotation)))
+    if typing.get_origin(annotation) is tuple:
+        return f"a list of {_described(typing.get_args(annotation)[0])}s"
+    return {int: "integer", float: "number", str: "string", bool: "true or false",
+            type(None): "null"}.get(annotation, str(annotation))
 
 
 def build(cls: type, data: Any, prefix: str = "", converters: Converters | None = None) -> Any:

@@ -5,6 +5,9 @@ A pinned learner's CPUs are its own: several learner processes (`parallel.proces
 `run.learner_cpus` out, and actors without `run.actor_cpus` get the CPUs the learner leaves (the
 audit's model of the actors' cores is the same). XLA:CPU runs a thread per CPU a process may use,
 so on a small machine an unpinned learner's and actors' thread pools contend for every core.
+`run.learner_cpus: auto` gives each learner process one of the CPUs this process may use, the
+lowest first, when some are left for the actors (else none is pinned): the same placement on a
+machine whose CPU set starts elsewhere than CPU 0 (a container's, a Slurm job's).
 """
 
 from __future__ import annotations
@@ -21,19 +24,29 @@ def usable_cpus() -> frozenset[int]:
     return frozenset(os.sched_getaffinity(0))
 
 
-def learner_cpus(run: RunConfig, process: int, processes: int) -> tuple[int, ...]:
+def learners_cpus(run: RunConfig, processes: int, usable: Collection[int]) -> tuple[int, ...]:
+    """Every learner process's CPUs together: `run.learner_cpus`, or for `auto` the lowest
+    `processes` of `usable` when more than that many are usable (else none: not pinned)."""
+    if run.learner_cpus != "auto":
+        return tuple(run.learner_cpus)
+    return tuple(sorted(usable)[:processes]) if len(usable) > processes else ()
+
+
+def learner_cpus(run: RunConfig, process: int, processes: int,
+                 usable: Collection[int]) -> tuple[int, ...]:
     """Learner process `process`'s CPUs of `processes`: every `processes`-th of
-    `run.learner_cpus` from the `process`-th (the config holds at least one each); empty: not
-    pinned."""
-    return tuple(run.learner_cpus[process::processes])
+    `learners_cpus` from the `process`-th (at least one each when any); empty: not pinned."""
+    return learners_cpus(run, processes, usable)[process::processes]
 
 
-def actor_cpus(run: RunConfig, usable: Collection[int]) -> tuple[int, ...]:
-    """The actors' CPUs: `run.actor_cpus`, else those of `usable` a pinned learner leaves; empty
-    (not pinned) when the learner is not pinned or leaves none."""
-    if run.actor_cpus or not run.learner_cpus:
+def actor_cpus(run: RunConfig, usable: Collection[int], processes: int = 1) -> tuple[int, ...]:
+    """The actors' CPUs: `run.actor_cpus`, else those of `usable` the pinned learner processes
+    (`processes` of them) leave; empty (not pinned) when the learner is not pinned or leaves
+    none."""
+    learners = learners_cpus(run, processes, usable)
+    if run.actor_cpus or not learners:
         return tuple(run.actor_cpus)
-    return tuple(sorted(set(usable) - set(run.learner_cpus)))
+    return tuple(sorted(set(usable) - set(learners)))
 
 
 def check(run: RunConfig, keys: tuple[str, ...] = ("learner_cpus", "actor_cpus")) -> None:
@@ -47,7 +60,8 @@ def check(run: RunConfig, keys: tuple[str, ...] = ("learner_cpus", "actor_cpus")
     Raises:
       ConfigError: the key, the ids and the CPUs this process runs on.
     """
-    wanted = sorted({cpu for key in keys for cpu in getattr(run, key)})
+    named = {key: () if getattr(run, key) == "auto" else getattr(run, key) for key in keys}
+    wanted = sorted({cpu for cpus in named.values() for cpu in cpus})
     refused: list[int] = []
 
     def probe() -> None:
@@ -60,10 +74,10 @@ def check(run: RunConfig, keys: tuple[str, ...] = ("learner_cpus", "actor_cpus")
     thread = threading.Thread(target=probe, name="cpu-probe")
     thread.start()
     thread.join()
-    for key in keys:
-        missing = sorted(set(getattr(run, key)) & set(refused))
+    for key, cpus in named.items():
+        missing = sorted(set(cpus) & set(refused))
         if missing:
-            raise ConfigError(f"run.{key}={list(getattr(run, key))}: CPU {missing} does not exist "
+            raise ConfigError(f"run.{key}={list(cpus)}: CPU {missing} does not exist "
                               f"here or is outside this container's CPU set (headrace runs on CPUs "
-                              f"{sorted(usable_cpus())}); name CPUs that exist, or [] to leave the "
-                              "process unpinned")
+                              f"{sorted(usable_cpus())}); name CPUs that exist, [] to leave the "
+                              "process unpinned, or (run.learner_cpus) auto")

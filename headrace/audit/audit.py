@@ -95,7 +95,9 @@ class Measured:
         that a learner waiting for data did in its idle time: its steps stretch to the process's
         CPU per step, when that is more."""
         mean = float(np.mean(self.step_s))
-        if len(self.config.run.learner_cpus) != 1 or self.learner_cpu_s <= mean:
+        pinned = placement.learners_cpus(self.config.run, self.config.parallel.processes,
+                                         placement.usable_cpus())
+        if len(pinned) != 1 or self.learner_cpu_s <= mean:
             return self.step_s
         return [s * self.learner_cpu_s / mean for s in self.step_s]
 
@@ -285,9 +287,9 @@ def envs_cap(m: Measured) -> int:
 def actor_cores(config: Config) -> int:
     """Cores the actor processes can use on this machine (`run.actor_cpus`, else those the
     learner's pinning leaves: `placement.actor_cpus`; all of them when neither is pinned)."""
-    usable = placement.usable_cpus()
-    return len(placement.actor_cpus(config.run, usable)) or max(
-        1, len(usable) - len(config.run.learner_cpus))
+    usable, processes = placement.usable_cpus(), config.parallel.processes
+    return len(placement.actor_cpus(config.run, usable, processes)) or max(
+        1, len(usable) - len(placement.learners_cpus(config.run, processes, usable)))
 
 
 def split_pool(total_envs: int, cap: int, group_size: int) -> tuple[int, int]:

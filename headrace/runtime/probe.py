@@ -40,7 +40,8 @@ def probe(config: Config, lengths: tuple[int, ...], repeats: int = 3,
     rows = tuple(r for r in PROBE_ROWS if r <= most)
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    cpus = placement.actor_cpus(config.run, placement.usable_cpus())  # an actor's, as launched
+    cpus = placement.actor_cpus(config.run, placement.usable_cpus(),  # an actor's, as launched
+                                config.parallel.processes)
     process = ctx.Process(target=probe_main, name="probe", daemon=True,
                           args=(config.to_dict(), cpus, rows, lengths, repeats, window_s, send))
     process.start()

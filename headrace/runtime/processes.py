@@ -76,12 +76,13 @@ class Supervisor:
         self._context = multiprocessing.get_context("spawn")
         data = build.without_secrets(config).to_dict()  # the password goes by the environment
         run = config.run
-        actor_cpus = placement.actor_cpus(run, placement.usable_cpus())  # the learner's left
         processes = config.parallel.processes
+        usable = placement.usable_cpus()
+        actor_cpus = placement.actor_cpus(run, usable, processes)  # the learner's left
         coordinator = f"127.0.0.1:{multihost.free_port()}" if processes > 1 else ""
         self.learners = [
             Child("learner" if processes == 1 else f"learner-{i}", worker.learner_main,
-                  (data, str(run_dir), url, run_id, placement.learner_cpus(run, i, processes), i,
+                  (data, str(run_dir), url, run_id, placement.learner_cpus(run, i, processes, usable), i,
                    processes, coordinator))
             for i in range(processes)]
         self.learner = self.learners[0]  # process 0: publishes weights, decides when it is done

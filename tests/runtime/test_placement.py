@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from headrace import benchlib, placement
+from headrace.audit import audit
 from headrace.config import ConfigError, load
 from headrace.runtime import processes
 
@@ -39,11 +40,30 @@ def test_the_supervisor_pins_children_where_the_placement_says(monkeypatch, tmp_
         learners, actors)
 
 
+@pytest.mark.parametrize("usable, processes, learners, actors", [
+    ({0, 1}, 1, [(0,)], [(1,)]),  # the example on a machine of two cores
+    ({6, 7, 9}, 1, [(6,)], [(7, 9)]),  # a CPU set without CPU 0: the lowest it has
+    ({4, 5, 6}, 2, [(4,), (5,)], [(6,)]),  # one each
+    ({3}, 1, [()], [()]),  # one CPU: nothing is pinned
+    ({2, 3}, 2, [(), ()], [()]),  # none would be left for the actors: nothing is pinned
+])
+def test_auto_pins_each_learner_process_to_a_usable_cpu_when_some_are_left(
+        monkeypatch, tmp_path, usable, processes, learners, actors):
+    parallel = {"processes": processes, "mesh": "{data: -1}"} if processes > 1 else {}
+    assert load(EXAMPLE).run.learner_cpus == "auto"  # the example ships with it
+    assert _pinned(monkeypatch, tmp_path, usable, run={"learner_cpus": "auto"},
+                   parallel=parallel) == (learners, actors)
+    config = load(EXAMPLE, overrides=[f"parallel.{k}={v}" for k, v in parallel.items()])
+    assert audit.actor_cores(config) == (len(actors[0]) or len(usable))  # the audit agrees
+
+
 def test_several_learner_processes_need_a_cpu_each_and_ids_are_not_negative():
     with pytest.raises(ConfigError, match="run.learner_cpus.*at least 2"):
         load(EXAMPLE, overrides=["parallel.processes=2", "run.learner_cpus=[0]"])
     with pytest.raises(ConfigError, match="run.actor_cpus.*>= 0"):
         load(EXAMPLE, overrides=["run.actor_cpus=[1, -1]"])
+    with pytest.raises(ConfigError, match="must be a list of integers or one of auto"):
+        load(EXAMPLE, overrides=["run.learner_cpus=all"])
 
 
 def test_a_narrowed_supervisor_may_still_pin_a_learner_outside_its_own_cpus():
