@@ -24,7 +24,7 @@ def usable_cpus() -> frozenset[int]:
     return frozenset(os.sched_getaffinity(0))
 
 
-def learners_cpus(run: RunConfig, processes: int, usable: Collection[int]) -> tuple[int, ...]:
+def learner_set(run: RunConfig, processes: int, usable: Collection[int]) -> tuple[int, ...]:
     """Every learner process's CPUs together: `run.learner_cpus`, or for `auto` the lowest
     `processes` of `usable` when more than that many are usable (else none: not pinned)."""
     if run.learner_cpus != "auto":
@@ -35,15 +35,15 @@ def learners_cpus(run: RunConfig, processes: int, usable: Collection[int]) -> tu
 def learner_cpus(run: RunConfig, process: int, processes: int,
                  usable: Collection[int]) -> tuple[int, ...]:
     """Learner process `process`'s CPUs of `processes`: every `processes`-th of
-    `learners_cpus` from the `process`-th (at least one each when any); empty: not pinned."""
-    return learners_cpus(run, processes, usable)[process::processes]
+    `learner_set` from the `process`-th (at least one each when any); empty: not pinned."""
+    return learner_set(run, processes, usable)[process::processes]
 
 
 def actor_cpus(run: RunConfig, usable: Collection[int], processes: int = 1) -> tuple[int, ...]:
     """The actors' CPUs: `run.actor_cpus`, else those of `usable` the pinned learner processes
     (`processes` of them) leave; empty (not pinned) when the learner is not pinned or leaves
     none."""
-    learners = learners_cpus(run, processes, usable)
+    learners = learner_set(run, processes, usable)
     if run.actor_cpus or not learners:
         return tuple(run.actor_cpus)
     return tuple(sorted(set(usable) - set(learners)))

@@ -95,7 +95,7 @@ class Measured:
         that a learner waiting for data did in its idle time: its steps stretch to the process's
         CPU per step, when that is more."""
         mean = float(np.mean(self.step_s))
-        pinned = placement.learners_cpus(self.config.run, self.config.parallel.processes,
+        pinned = placement.learner_set(self.config.run, self.config.parallel.processes,
                                          placement.usable_cpus())
         if len(pinned) != 1 or self.learner_cpu_s <= mean:
             return self.step_s
@@ -289,7 +289,7 @@ def actor_cores(config: Config) -> int:
     learner's pinning leaves: `placement.actor_cpus`; all of them when neither is pinned)."""
     usable, processes = placement.usable_cpus(), config.parallel.processes
     return len(placement.actor_cpus(config.run, usable, processes)) or max(
-        1, len(usable) - len(placement.learners_cpus(config.run, processes, usable)))
+        1, len(usable) - len(placement.learner_set(config.run, processes, usable)))
 
 
 def split_pool(total_envs: int, cap: int, group_size: int) -> tuple[int, int]:
