@@ -149,8 +149,8 @@ def test_sigkill_then_resume_keeps_the_accounting_identity_exactly(tmp_path, pro
     base = [sys.executable, "-m", "headrace.cli", "train"]
     log = open(tmp_path / "train.log", "w")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    layout = ["--set", f"parallel.processes={processes}", "--set", "parallel.mesh={data: -1}",
-              "--set", "run.learner_cpus=[]"] if processes > 1 else []
+    layout = ["--set", f"parallel.processes={processes}",
+              "--set", "parallel.mesh={data: -1}"] if processes > 1 else []
 
     # 1. A run that would go on for long, killed once a few checkpoints exist.
     first = subprocess.Popen(

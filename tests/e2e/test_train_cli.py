@@ -98,7 +98,6 @@ def test_two_learner_processes_train_checkpoint_and_resume_through_the_superviso
     summary = train("examples/guess_number.yaml",
                     "--set", f"run.dir={run_dir}", "--set", "run.launcher=processes",
                     "--set", "parallel.processes=2", "--set", "parallel.mesh={data: -1}",
-                    "--set", "run.learner_cpus=[]",  # the example's one CPU cannot be shared out
                     "--set", "run.max_wall_s=400", "--set", "run.max_train_s=15",  # 400: a safety cap
                     "--set", "run.checkpoint_every=3",
                     "--set", "run.eval_every=0", "--set", "learner.groups_per_batch=8",

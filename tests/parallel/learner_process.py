@@ -47,7 +47,7 @@ def main(process_id: int, processes: int, port: int, out_dir: str, steps: int = 
                  f"run.max_steps={steps}", "run.checkpoint_every=1",
                  "staleness.max_policy_lag=100", f"parallel.processes={processes}",
                  "parallel.mesh={data: -1}" if processes > 1 else "parallel.mesh={data: 1}",
-                 "run.learner_cpus=[]"]  # the example pins one learner process
+                 "run.learner_cpus=[]"]  # this process is the learner: nothing to place
     config = load("examples/guess_number.yaml", overrides)
     task = build.build_task(config)
     graphdef, params = build.init_params(config, task)
