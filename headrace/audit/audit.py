@@ -96,7 +96,7 @@ class Measured:
         CPU per step, when that is more."""
         mean = float(np.mean(self.step_s))
         pinned = placement.learner_set(self.config.run, self.config.parallel.processes,
-                                         placement.usable_cpus())
+                                       placement.usable_cpus())
         if len(pinned) != 1 or self.learner_cpu_s <= mean:
             return self.step_s
         return [s * self.learner_cpu_s / mean for s in self.step_s]

@@ -82,8 +82,8 @@ class Supervisor:
         coordinator = f"127.0.0.1:{multihost.free_port()}" if processes > 1 else ""
         self.learners = [
             Child("learner" if processes == 1 else f"learner-{i}", worker.learner_main,
-                  (data, str(run_dir), url, run_id, placement.learner_cpus(run, i, processes, usable), i,
-                   processes, coordinator))
+                  (data, str(run_dir), url, run_id,
+                   placement.learner_cpus(run, i, processes, usable), i, processes, coordinator))
             for i in range(processes)]
         self.learner = self.learners[0]  # process 0: publishes weights, decides when it is done
         self.actors = [Child(f"actor-{i}", worker.actor_main,
