@@ -39,7 +39,7 @@ def learner_cpus(run: RunConfig, process: int, processes: int,
     return learner_set(run, processes, usable)[process::processes]
 
 
-def actor_cpus(run: RunConfig, usable: Collection[int], processes: int = 1) -> tuple[int, ...]:
+def actor_cpus(run: RunConfig, usable: Collection[int], processes: int) -> tuple[int, ...]:
     """The actors' CPUs: `run.actor_cpus`, else those of `usable` the pinned learner processes
     (`processes` of them) leave; empty (not pinned) when the learner is not pinned or leaves
     none."""

@@ -46,8 +46,7 @@ def main(process_id: int, processes: int, port: int, out_dir: str, steps: int = 
                  "learner.entropy_coef=0.01", "buffer.max_pending=64",
                  f"run.max_steps={steps}", "run.checkpoint_every=1",
                  "staleness.max_policy_lag=100", f"parallel.processes={processes}",
-                 "parallel.mesh={data: -1}" if processes > 1 else "parallel.mesh={data: 1}",
-                 "run.learner_cpus=[]"]  # this process is the learner: nothing to place
+                 "parallel.mesh={data: -1}" if processes > 1 else "parallel.mesh={data: 1}"]
     config = load("examples/guess_number.yaml", overrides)
     task = build.build_task(config)
     graphdef, params = build.init_params(config, task)
