@@ -19,8 +19,11 @@ but unacknowledged, `next` returns `STARVED` and the loop relieves it.
 With several learner processes, while `next` blocks for want of entries `waiting_for` is what it
 still lacks, and `report` (the loop's report to admission control) is called when that changes:
 admission's ready cap counts what every learner process holds, so it must know when one of them
-waits for what another holds (docs/design.md, "Admission"). One process holds nothing another
-needs, and the cap never refuses what it lacks, so it reports nothing (a round trip saved).
+waits for what another holds (docs/design.md, "Admission"). A blocked `next` also reports when it
+has dropped or skipped entries since the loop last reported: until admission hears of them it
+counts them as queued for this process, and the cap could hold back the very groups it waits for
+(a lone learner resumed after a crash, every redelivered group dropped for lag, waited for ever).
+A lone process that blocks with nothing of that kind reports nothing (a round trip saved).
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ class Feed:
         """`processes`: learner processes sharing each batch (this one gathers its share); with
         several, a batch gathered ahead is built later (building agrees shapes with the others,
         a collective that must run in step with theirs). `report`: called from the training
-        thread when `waiting_for` changes (several processes only)."""
+        thread when `waiting_for` changes (several processes only) and when a blocked `next`
+        has handled entries the loop has not reported."""
         lc = config.learner
         self.config = config
         self.buffer = buffer
@@ -75,6 +79,7 @@ class Feed:
         self._reports_waiting = processes > 1
         self.report = report
         self.waiting_for = 0  # entries a blocked `next` still lacks (0: not blocked)
+        self._unreported = 0  # entries dropped or skipped since this feed last reported
         # Two of this process's shares: with several processes each reads about its own.
         self._queue: queue.Queue[Entry] = queue.Queue(maxsize=2 * self.need)
         self._carry: list[Entry] = []  # passed the gate, not yet in a batch (gated again on use)
@@ -203,14 +208,17 @@ class Feed:
         return self._waited(entries)
 
     def _wait(self, lacking: int) -> None:
-        """Blocked, lacking `lacking` entries: reported when that changed."""
-        if self._reports_waiting and lacking != self.waiting_for:
-            self.waiting_for = lacking
+        """Blocked, lacking `lacking` entries: reported when that changed (several processes)
+        or when entries were handled since the last report (see the module's docstring)."""
+        if (self._reports_waiting and lacking != self.waiting_for) or self._unreported:
+            self.waiting_for = lacking if self._reports_waiting else 0
+            self._unreported = 0
             self.report()
 
     def _waited(self, got):
         """`got`, after telling admission that this process no longer waits."""
-        self._wait(0)
+        if self._reports_waiting:
+            self._wait(0)
         return got
 
     def _admit(self, entry: Entry, version: int) -> bool:
@@ -218,6 +226,7 @@ class Feed:
         if entry.id in self.book.trained_ids:  # redelivered; a checkpoint already covers it
             self.metrics.count("buffer/redelivered_skipped")
             self.book.handled("skipped", [entry])
+            self._unreported += 1
             return False
         try:
             check_tokens(entry.group, self.vocab_size)
@@ -228,6 +237,7 @@ class Feed:
         reason = self.gate.check(entry.group, version)
         if reason is not None:
             self.book.handled("dropped", [entry], reason)
+            self._unreported += 1
             return False
         self.tracer.gated(entry)
         return True

@@ -171,3 +171,38 @@ def test_a_feed_blocked_for_its_share_reports_what_it_lacks(model, processes):  
         stop.set()
         feed.close()
     assert reports == ([1, 0] if processes > 1 else []) and feed.waiting_for == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_lone_feed_that_drops_what_it_holds_reports_it_before_it_waits(model):  # noqa: F811
+    """Groups dropped (here for lag) count as queued for the learner until admission hears they
+    were handled; a lone learner left waiting without saying so waited for ever, the ready cap
+    holding back new groups for it (the chaos bench after a resume)."""
+    from headrace.learner.book import Book
+    from headrace.learner.feed import Feed
+    from headrace.learner.gate import StalenessGate
+    from headrace.metrics.traces import Tracer
+
+    config = load("examples/guess_number.yaml", ["learner.groups_per_batch=4",
+                                                 "buffer.max_pending=64"])
+    buffer, metrics, stop = MemoryBuffer(capacity=100, max_pending=64), Metrics(), threading.Event()
+    book = Book(config, buffer, metrics)
+    reports: list[int] = []
+    feed = Feed(config, buffer, None, StalenessGate(config.staleness, metrics), book, metrics,
+                Tracer(None, MemoryWeightStore(2), metrics), stop, model[0].dims.vocab_size,
+                report=lambda: reports.append(len(book.unacked)))
+    buffer.put([make_group(i, actions(model)) for i in range(3)], timeout_s=1)  # version 0
+    feed.start()
+    thread = threading.Thread(target=lambda: feed.next(10), daemon=True)  # lag 10 > 4: dropped
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not reports:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.01)
+        time.sleep(0.2)  # still blocked: no second report for the same drops
+        assert thread.is_alive() and reports == [3]
+        assert metrics.counters["staleness/dropped_lag"] == 3
+    finally:
+        stop.set()
+        feed.close()
