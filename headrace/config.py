@@ -297,9 +297,9 @@ class ActorConfig:
     num_actors: int = 1  # actor threads or processes
     envs_per_actor: int = 256  # concurrent episodes per actor (a multiple of group_size)
     group_size: int = 8  # trajectories per task (G)
-    # Kept so older configs load; must be 1. XLA:CPU (JAX 0.10) gives an actor process a thread
-    # per CPU it may use and ignores the flags that once set a count: pin with run.actor_cpus.
-    cpu_threads: int = 1
+    cpu_threads: int = 1  # must be 1 (older configs): XLA:CPU takes a thread per CPU it may use
+    # JAX backend of actor processes and the supervisor's evaluation (cpu: leaves it to the learner)
+    platform: Literal["cpu", "default"] = "cpu"
     max_batch: int = 512  # most episodes in one batched policy call
     batch_wait_ms: float = 2.0  # how long a policy call waits for more episodes to batch with
     max_restarts: int = 5  # processes and ray launchers: crashes in a row (each restarted with backoff 1, 2,
@@ -326,6 +326,7 @@ class BufferConfig:
     password: str = ""  # Redis AUTH password (or $HEADRACE_REDIS_PASSWORD; never in a URL)
     host: str = "127.0.0.1"  # address the embedded redis-server binds (loopback by default)
     port: int = 0  # the embedded redis-server's port (0: a free one)
+    transport: Literal["tcp", "unix"] = "tcp"  # embedded server: host:port, or a 0700 socket file
     shards: int = 1  # streams the groups are spread over (by a hash of the actor id)
     urls: tuple[str, ...] = ()  # one Redis per shard (shard 0's also holds admission); not with url
     capacity: int = 64  # undelivered groups at most; put blocks beyond

@@ -3,7 +3,8 @@
 
 A pinned learner's CPUs are its own: several learner processes (`parallel.processes`) share
 `run.learner_cpus` out, and actors without `run.actor_cpus` get the CPUs the learner leaves (the
-audit's model of the actors' cores is the same). XLA:CPU runs a thread per CPU a process may use,
+audit's model of the actors' cores is the same), shared out among the actor processes
+(`actor_share`). XLA:CPU runs a thread per CPU a process may use,
 so on a small machine an unpinned learner's and actors' thread pools contend for every core.
 `run.learner_cpus: auto` gives each learner process one of the CPUs this process may use, the
 lowest first, when some are left for the actors (else none is pinned): the same placement on a
@@ -47,6 +48,16 @@ def actor_cpus(run: RunConfig, usable: Collection[int], processes: int) -> tuple
     if run.actor_cpus or not learners:
         return tuple(run.actor_cpus)
     return tuple(sorted(set(usable) - set(learners)))
+
+
+def actor_share(cpus: tuple[int, ...], actor: int, actors: int) -> tuple[int, ...]:
+    """Actor process `actor`'s CPUs of the `actors` processes' `cpus`: every `actors`-th from the
+    `actor`-th, or one CPU (round robin) when there are more processes than CPUs; empty (not
+    pinned) when `cpus` is. Each XLA:CPU pool then has threads for its own CPUs, not for every
+    actor's: four actors sharing 12 CPUs would run 48 pool threads."""
+    if not cpus:
+        return ()
+    return cpus[actor::actors] or (cpus[actor % len(cpus)],)
 
 
 def check(run: RunConfig, keys: tuple[str, ...] = ("learner_cpus", "actor_cpus")) -> None:

@@ -1,7 +1,8 @@
 """The embedded Redis: a local `redis-server` child process owned by the run (docs/design.md, "Components").
 
-`RedisServer(dir)` starts `redis-server` on a free loopback port with append-only persistence in
-`dir` (the run folder's `redis/`), waits until it answers PING, and stops it on exit. Starting again
+`RedisServer(dir)` starts `redis-server` on a free loopback port (or, `unix=True`, on a unix socket
+file only its user may open: no TCP port at all) with append-only persistence in `dir` (the run
+folder's `redis/`), waits until it answers PING, and stops it on exit. Starting again
 on the same `dir` reloads the append-only file, so a resumed run finds its buffer as it was (minus,
 with `fsync="everysec"`, up to a second of writes if the machine, not just the process, died).
 
@@ -46,6 +47,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Literal
@@ -103,6 +105,15 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _socket_path(dir: pathlib.Path) -> pathlib.Path:
+    """Where a unix-socket server listens: `dir`/redis.sock, or, when that path is longer than a
+    socket address may be (108 bytes on Linux), the same name in a new private temporary folder."""
+    path = dir / "redis.sock"
+    if len(os.fsencode(path)) < 100:
+        return path
+    return pathlib.Path(tempfile.mkdtemp(prefix="headrace-redis-")) / "redis.sock"
 
 
 def _command(binary: str, config: pathlib.Path) -> list[str]:
@@ -239,6 +250,8 @@ class RedisServer:
         learner and actors use (see the module docstring); needs `password`.
       fsync: `appendfsync` policy; `always` makes every acknowledged write survive a crash.
       port: TCP port on `host`; 0 picks a free one (kept across restarts of this object).
+      unix: listen on a unix socket (`socket`, mode 0700: processes of this user on this machine
+        only) instead of TCP; `host` and `port` are then unused.
       binary: the redis-server to run (default: `find_redis_server()`).
       start_timeout_s: how long `start` waits for PING (loading a large AOF takes a while).
       stop_timeout_s: how long `stop` waits after SHUTDOWN before terminating, then killing.
@@ -246,13 +259,13 @@ class RedisServer:
 
     def __init__(self, dir: str | os.PathLike, *, password: str = "", client_password: str = "",
                  fsync: Literal["everysec", "always"] = "everysec", port: int = 0,
-                 host: str = "127.0.0.1", binary: str | None = None,
+                 host: str = "127.0.0.1", unix: bool = False, binary: str | None = None,
                  start_timeout_s: float = 30.0, stop_timeout_s: float = 10.0):
         if fsync not in ("everysec", "always"):
             raise ValueError(f"fsync={fsync!r}: must be 'everysec' or 'always'")
         if client_password and not password:
             raise ValueError("client_password needs password: the default user would be open")
-        if not password and not _is_loopback(host):
+        if not password and not unix and not _is_loopback(host):
             raise ValueError(f"host={host!r} is not a loopback address: refusing to serve "
                              "another interface without a password")
         self.dir = pathlib.Path(dir).resolve()
@@ -261,12 +274,14 @@ class RedisServer:
         self.binary = binary
         self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
         self.log_path = self.dir / "redis.log"
+        self.socket = _socket_path(self.dir) if unix else None
         self._proc: subprocess.Popen | None = None
 
     @classmethod
     def from_config(cls, config: BufferConfig, dir: str | os.PathLike, **kwargs) -> RedisServer:
         """A server for a buffer config (its password as the default user's, its fsync policy)."""
-        return cls(dir, password=config.password, fsync=config.fsync, **kwargs)
+        return cls(dir, password=config.password, fsync=config.fsync,
+                   unix=config.transport == "unix", **kwargs)
 
     @classmethod
     def for_run(cls, config: BufferConfig, dir: str | os.PathLike,
@@ -274,15 +289,17 @@ class RedisServer:
         """A run's embedded server: the restricted client user, both passwords (module docstring).
         Clients connect to `url` (which names `CLIENT_USER`) with `credentials.client`."""
         return cls(dir, password=credentials.admin, client_password=credentials.client,
-                   fsync=config.fsync, **kwargs)
+                   fsync=config.fsync, unix=config.transport == "unix", **kwargs)
 
     @property
     def url(self) -> str:
-        """`redis://[CLIENT_USER@]host:port/0`, without a password (pass it separately): it names
-        the client user when the server has one."""
+        """`redis://[CLIENT_USER@]host:port/0` (`unix://[CLIENT_USER@]/path/redis.sock?db=0`),
+        without a password (pass it separately): it names the client user when the server has one."""
+        user = f"{CLIENT_USER}@" if self.client_password else ""
+        if self.socket is not None:
+            return f"unix://{user}{self.socket}?db=0"
         if not self.port:
             raise RedisServerError("the server has no port yet: call start() first")
-        user = f"{CLIENT_USER}@" if self.client_password else ""
         return f"redis://{user}{self.host}:{self.port}/0"
 
     @property
@@ -297,6 +314,9 @@ class RedisServer:
         """An admin (default user) redis-py client for this server (the supervisor, tests); no
         automatic retries by default."""
         kwargs.setdefault("retry", Retry(NoBackoff(), 0))
+        if self.socket is not None:
+            return redis.Redis(unix_socket_path=str(self.socket),
+                               password=self.password or None, **kwargs)
         return redis.Redis(host=self.host, port=self.port, password=self.password or None,
                            **kwargs)
 
@@ -305,8 +325,10 @@ class RedisServer:
             escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
             return f'"{escaped}"'
 
+        listen = (["port 0", f"unixsocket {quote(self.socket)}", "unixsocketperm 700"]
+                  if self.socket is not None else [f"bind {self.host}", f"port {self.port}"])
         lines = [
-            f"bind {self.host}", f"port {self.port}", f"dir {quote(self.dir)}", "daemonize no",
+            *listen, f"dir {quote(self.dir)}", "daemonize no",
             f"pidfile {quote(self.dir / 'redis.pid')}", "appendonly yes",
             f"appendfsync {self.fsync}", 'save ""', "protected-mode yes", "databases 1",
         ]
@@ -346,13 +368,16 @@ class RedisServer:
             if other and _alive(other):
                 raise RedisServerError(f"a redis-server (pid {other}) already serves {self.dir}; "
                                        "stop it before starting another on the same folder")
-        picked = not self.port
+        if self.socket is not None:  # a temporary folder `stop` removed
+            self.socket.parent.mkdir(mode=0o700, exist_ok=True)
+        picked = not self.port and self.socket is None
         for attempt in range(3):
             if picked:
                 self.port = _free_port(self.host)
             config = self._write_config()
             with open(self.log_path, "ab") as log:
-                log.write(f"--- headrace: starting {binary} on port {self.port}\n".encode())
+                where = self.socket or f"port {self.port}"
+                log.write(f"--- headrace: starting {binary} on {where}\n".encode())
                 log.flush()
                 self._proc = _Spawner.popen(
                     _command(binary, config), stdin=subprocess.DEVNULL, stdout=log,
@@ -408,6 +433,8 @@ class RedisServer:
                 self._terminate()
         self._proc.wait()
         self._proc = None
+        if self.socket is not None and self.socket.parent != self.dir:
+            shutil.rmtree(self.socket.parent, ignore_errors=True)
 
     def kill(self) -> None:
         """SIGKILLs the server (a crash: nothing is flushed) and reaps it; for tests."""

@@ -40,8 +40,9 @@ def probe(config: Config, lengths: tuple[int, ...], repeats: int = 3,
     rows = tuple(r for r in PROBE_ROWS if r <= most)
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    cpus = placement.actor_cpus(config.run, placement.usable_cpus(),  # an actor's, as launched
-                                config.parallel.processes)
+    cpus = placement.actor_share(  # actor 0's, as launched
+        placement.actor_cpus(config.run, placement.usable_cpus(), config.parallel.processes), 0,
+        config.actor.num_actors)
     process = ctx.Process(target=probe_main, name="probe", daemon=True,
                           args=(config.to_dict(), cpus, rows, lengths, repeats, window_s, send))
     process.start()

@@ -86,9 +86,11 @@ class Supervisor:
                    placement.learner_cpus(run, i, processes, usable), i, processes, coordinator))
             for i in range(processes)]
         self.learner = self.learners[0]  # process 0: publishes weights, decides when it is done
+        count = config.actor.num_actors if actors else 0
         self.actors = [Child(f"actor-{i}", worker.actor_main,
-                             (data, str(run_dir), url, run_id, i, actor_cpus))
-                       for i in range(config.actor.num_actors if actors else 0)]
+                             (data, str(run_dir), url, run_id, i,
+                              placement.actor_share(actor_cpus, i, count)))
+                       for i in range(count)]
         self.failure: str | None = None
         self.restarts = 0
         self.stopping = False
@@ -215,6 +217,8 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
     from headrace.learner.sharded_step import check_mesh
 
     check_mesh(config, build.build_task(config).dims)  # in the learner process it would fail alone
+    if config.actor.platform == "cpu":  # the evaluator's sampler: the accelerator is the learner's
+        worker.use_cpu_backend()
     if make_supervisor is Supervisor:  # here, not in a child that fails on them alone
         placement.check(config.run)
     # From here on config.buffer.password is the clients' password, in memory only.

@@ -27,6 +27,9 @@ from headrace.runtime import collector
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
+log = logging.getLogger(__name__)
+
+
 def failure_path(run_dir: str | os.PathLike, name: str) -> pathlib.Path:
     return pathlib.Path(run_dir) / RunDir.FAILURES / f"{name}.json"
 
@@ -117,11 +120,32 @@ def _setup(name: str, cpus: tuple[int, ...], supervised: bool = True) -> threadi
     return stop
 
 
-def _common(config_data: dict[str, Any], run_dir: str):
+def use_cpu_backend() -> None:
+    """This process's JAX computes on the CPU whatever accelerator the machine has, which it
+    leaves to the learner process: only one process at a time may open a TPU, and a process that
+    opens a GPU reserves most of its memory. For the processes launcher's supervisor (its greedy
+    evaluation) and actors (`actor.platform: cpu`). In this process only (not through the
+    environment: the learner processes it starts must see the accelerator). Warns when JAX has
+    already opened another backend here, which then holds the accelerator."""
+    import jax
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        if jax.default_backend() != "cpu":
+            log.warning("JAX already runs on %s in this process, so it holds the accelerator "
+                        "the learner needs: start the run from a process that has not used JAX",
+                        jax.default_backend())
+        return
+    jax.config.update("jax_platforms", "cpu")
+
+
+def _common(config_data: dict[str, Any], run_dir: str, actor: bool = False):
     from headrace.config import load
     from headrace.runtime import build
 
     config = load(data=config_data)
+    if actor and config.actor.platform == "cpu":  # before anything starts JAX's backend
+        use_cpu_backend()
     task = build.build_task(config)
     weights = build.make_weights(config, run_dir)
     return config, task, weights
@@ -202,7 +226,7 @@ def _actor(config_data, run_dir, url, run_id, index, stop, name, standalone) -> 
     from headrace.model import params as params_lib
     from headrace.runtime import build
 
-    config, task, weights = _common(config_data, run_dir)
+    config, task, weights = _common(config_data, run_dir, actor=True)
     buffer = build.make_buffer(config, url=url, run_id=run_id, consumer=name)
     metrics = Metrics()
     publisher = Publisher(buffer.client, run_id, name, metrics, extra=buffer.stats,

@@ -181,6 +181,41 @@ def test_secrets_come_back_on_resume_and_a_user_password_is_never_stored(tmp_pat
         RedisCredentials.for_run(tmp_path / "d", resume=True)
 
 
+@pytest.mark.parametrize("deep", [False, True])
+def test_a_unix_socket_server_opens_no_port_and_only_its_user_may_connect(tmp_path, run_id, deep):
+    """`buffer.transport: unix`: the socket is the folder's, or (a path longer than a socket
+    address may be) a private temporary folder's that `stop` removes."""
+    _require_redis()
+    folder = tmp_path / ("d" * 120 if deep else "") / "redis"
+    credentials = RedisCredentials.for_run(tmp_path)
+    server = RedisServer.for_run(BufferConfig(backend="redis", transport="unix"), folder,
+                                 credentials).start()
+    try:
+        assert server.url == f"unix://{CLIENT_USER}@{server.socket}?db=0"
+        assert (server.socket.parent == folder.resolve()) != deep
+        mode = server.socket.stat().st_mode
+        assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o700
+        assert stat.S_IMODE(server.socket.parent.stat().st_mode) & 0o077 == 0 or not deep
+        client = _as_client(server, credentials.client)
+        try:
+            assert client.acl_whoami() == CLIENT_USER
+            assert client.info("server")["tcp_port"] == 0  # no TCP listener at all
+        finally:
+            client.close()
+        buffer = RedisBuffer(server.url, run_id=run_id, consumer="c", password=credentials.client)
+        try:
+            buffer.put([make_group(1)], timeout_s=5)
+            [entry] = buffer.get(1, timeout_s=5)
+            assert entry.group.group_id == "g1"
+        finally:
+            buffer.close()
+    finally:
+        server.stop()
+    assert not server.socket.exists() and server.socket.parent.exists() != deep
+    server.start()  # again, on the same address (a crashed server's restart)
+    server.stop()
+
+
 def test_another_interface_needs_a_password(tmp_path):
     with pytest.raises(ValueError, match="loopback"):
         RedisServer(tmp_path, host="0.0.0.0")

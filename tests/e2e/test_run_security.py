@@ -68,3 +68,28 @@ def test_a_user_password_never_reaches_the_run_folder_and_resume_needs_it(tmp_pa
     assert "fork" not in resumed.stderr
     assert _files_holding(run_dir, PASSWORD) == []
     assert json.loads(secrets.read_text())["admin"] == admin  # the same run, the same secrets
+
+
+@pytest.mark.timeout(420)
+def test_a_run_over_a_unix_socket_opens_no_port_and_resumes(tmp_path):
+    """`buffer.transport: unix`: the supervisor, the learner and two actor processes (and the
+    metrics they publish) reach the run's Redis through its socket file; a resumed run's server
+    listens there again."""
+    try:
+        find_redis_server()
+    except RedisServerError as error:
+        pytest.skip(str(error))
+    run_dir = tmp_path / "run"
+    first = _train("examples/guess_number.yaml", "--set", f"run.dir={run_dir}", *SMALL,
+                   "--set", "run.max_steps=2", "--set", "buffer.transport=unix",
+                   "--set", "actor.num_actors=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads(first.stdout)
+    assert summary["steps"] == 2 and summary["errors"] == [], summary
+    conf = (run_dir / "redis" / "redis.conf").read_text().splitlines()
+    assert "port 0" in conf and f'unixsocket "{run_dir / "redis" / "redis.sock"}"' in conf
+    resumed = _train("--resume", str(run_dir), "--set", "run.max_steps=4")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout)
+    assert summary["steps"] == 4 and summary["errors"] == [], summary
+    assert not (run_dir / "redis" / "redis.sock").exists()  # the server is gone with the run

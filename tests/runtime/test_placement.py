@@ -57,6 +57,18 @@ def test_auto_pins_each_learner_process_to_a_usable_cpu_when_some_are_left(
     assert audit.actor_cores(config) == (len(actors[0]) or len(usable))  # the audit agrees
 
 
+@pytest.mark.parametrize("num_actors, actors", [
+    (2, [(1, 3), (2,)]),  # every 2nd each
+    (3, [(1,), (2,), (3,)]),
+    (5, [(1,), (2,), (3,), (1,), (2,)]),  # more processes than CPUs: one each, round robin
+])
+def test_actor_processes_share_the_actors_cpus_out(monkeypatch, tmp_path, num_actors, actors):
+    assert _pinned(monkeypatch, tmp_path, {0, 1, 2, 3}, run={"learner_cpus": "[0]"},
+                   actor={"num_actors": num_actors}) == ([(0,)], actors)
+    assert _pinned(monkeypatch, tmp_path, {0, 1, 2, 3}, run={"learner_cpus": "[]"},
+                   actor={"num_actors": num_actors}) == ([()], [()] * num_actors)
+
+
 def test_several_learner_processes_need_a_cpu_each_and_ids_are_not_negative():
     with pytest.raises(ConfigError, match="run.learner_cpus.*at least 2"):
         load(EXAMPLE, overrides=["parallel.processes=2", "run.learner_cpus=[0]"])
@@ -105,3 +117,17 @@ def test_cpus_the_machine_lacks_are_refused_before_anything_starts(tmp_path):
                      f"run.actor_cpus=[{absent}]")  # refused before it tries the address
     assert actor.returncode == 2 and f"run.actor_cpus=[{absent}]" in actor.stderr
     assert "Traceback" not in actor.stderr
+
+
+def test_a_process_that_is_not_the_learner_takes_the_cpu_in_itself_only():
+    """`use_cpu_backend` (the supervisor, `actor.platform: cpu` actors) pins JAX's platform in
+    the process, not in the environment the learner processes it starts inherit; called again
+    once the backend runs (on the CPU), it does nothing."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = ("import os, jax\nfrom headrace.runtime import worker\nworker.use_cpu_backend()\n"
+            "assert jax.config.jax_platforms == 'cpu' and 'JAX_PLATFORMS' not in os.environ\n"
+            "assert jax.default_backend() == 'cpu'\nworker.use_cpu_backend()\nprint('ok')")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-2000:]
+
