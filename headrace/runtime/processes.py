@@ -50,6 +50,7 @@ BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 # At least this; longer when the learner's steps are (`stop_grace_s`).
 GRACE_S = 120.0
 HEALTHY_S = 120.0  # an actor that ran this long before crashing starts a fresh restart count
+MESH_CHECK_S = 180.0  # the mesh check process: a start, JAX and an accelerator opened (a TPU: ~15 s)
 
 
 class LaunchError(RuntimeError):
@@ -185,6 +186,41 @@ def stop_grace_s(metrics: dict[str, float]) -> float:
     return max(GRACE_S, 2.0 * float(metrics.get("learner/step_s_p90", 0.0)))
 
 
+def check_mesh_apart(config: Config, timeout_s: float = MESH_CHECK_S) -> None:
+    """`check_mesh` (the mesh fits the devices and the model) where the learner process will
+    run it: in a process of its own that opens JAX's default backend as the learner does and
+    lets it go when it ends. Here JAX stays off the accelerator (`worker.use_cpu_backend`): a
+    process that opened a TPU would hold it, one that opened GPUs most of their memory. A check
+    process that fails otherwise or gives no answer is logged and skipped (the learner process
+    checks the mesh again when it builds its step).
+
+    Raises:
+      ConfigError: what `check_mesh` refuses, before anything starts.
+    """
+    if not config.parallel.sharded or config.parallel.processes > 1:
+        return  # several processes: the devices are theirs, checked when they start
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=worker.mesh_check_main, name="mesh-check", daemon=True,
+                              args=(build.without_secrets(config).to_dict(), send))
+    process.start()
+    send.close()
+    try:
+        answer = receive.recv() if receive.poll(timeout_s) else None
+    except EOFError:
+        answer = None
+    finally:
+        process.join(5.0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    if answer is None:
+        log.warning("the mesh check process gave no answer (exit code %s); the learner process "
+                    "checks parallel.mesh when it starts", process.exitcode)
+    elif answer:
+        raise ConfigError(answer)
+
+
 def train(config: Config, *, live: bool = True, t0: float | None = None,
           resume_dir: str | pathlib.Path | None = None,
           make_supervisor=Supervisor, start_buffer=build.start_embedded_redis,
@@ -214,9 +250,7 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
         raise ConfigError(f"run.launcher={config.run.launcher} needs buffer.backend=redis and "
                           f"weights.backend=dir or redis, not {config.buffer.backend} and "
                           f"{config.weights.backend}")  # Config refuses it before this
-    from headrace.learner.sharded_step import check_mesh
-
-    check_mesh(config, build.build_task(config).dims)  # in the learner process it would fail alone
+    check_mesh_apart(config)  # in the learner process it would fail alone
     if config.actor.platform == "cpu":  # the evaluator's sampler: the accelerator is the learner's
         worker.use_cpu_backend()
     if make_supervisor is Supervisor:  # here, not in a child that fails on them alone

@@ -139,6 +139,24 @@ def use_cpu_backend() -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
+def mesh_check_main(config_data: dict[str, Any], send) -> None:
+    """The mesh check process (`processes.check_mesh_apart`): sends "" when `parallel.mesh` fits
+    this machine's devices (JAX's default backend, as the learner process opens it) and the
+    model, else the ConfigError's message."""
+    from headrace.config import ConfigError, load
+    from headrace.learner.sharded_step import check_mesh
+    from headrace.runtime import build
+
+    config = load(data=config_data)
+    try:
+        check_mesh(config, build.build_task(config).dims)
+    except ConfigError as error:
+        send.send(str(error))
+    else:
+        send.send("")
+    send.close()
+
+
 def _common(config_data: dict[str, Any], run_dir: str, actor: bool = False):
     from headrace.config import load
     from headrace.runtime import build

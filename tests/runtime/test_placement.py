@@ -117,17 +117,3 @@ def test_cpus_the_machine_lacks_are_refused_before_anything_starts(tmp_path):
                      f"run.actor_cpus=[{absent}]")  # refused before it tries the address
     assert actor.returncode == 2 and f"run.actor_cpus=[{absent}]" in actor.stderr
     assert "Traceback" not in actor.stderr
-
-
-def test_a_process_that_is_not_the_learner_takes_the_cpu_in_itself_only():
-    """`use_cpu_backend` (the supervisor, `actor.platform: cpu` actors) pins JAX's platform in
-    the process, not in the environment the learner processes it starts inherit; called again
-    once the backend runs (on the CPU), it does nothing."""
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    code = ("import os, jax\nfrom headrace.runtime import worker\nworker.use_cpu_backend()\n"
-            "assert jax.config.jax_platforms == 'cpu' and 'JAX_PLATFORMS' not in os.environ\n"
-            "assert jax.default_backend() == 'cpu'\nworker.use_cpu_backend()\nprint('ok')")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-2000:]
-

@@ -1,0 +1,57 @@
+"""What lets a run share a machine's accelerator out: only the learner process opens it. The
+supervisor and the actors keep JAX on the CPU, and the supervisor checks `parallel.mesh` in a
+process of its own. (On this CPU-only machine the checks are that this process's JAX is pinned to
+the CPU, or not started at all, and that nothing leaks into the environment the learner
+inherits; the run on a TPU is in docs/runtime.md, "A learner on an accelerator".)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True,
+                          text=True, timeout=240)
+
+
+def test_a_process_that_is_not_the_learner_takes_the_cpu_in_itself_only():
+    """`use_cpu_backend` (the supervisor, `actor.platform: cpu` actors) pins JAX's platform in
+    the process, not in the environment the learner processes it starts inherit; called again
+    once the backend runs (on the CPU), it does nothing."""
+    out = _python("import os, jax\nfrom headrace.runtime import worker\nworker.use_cpu_backend()\n"
+                  "assert jax.config.jax_platforms == 'cpu' and 'JAX_PLATFORMS' not in os.environ\n"
+                  "assert jax.default_backend() == 'cpu'\nworker.use_cpu_backend()\nprint('ok')")
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-2000:]
+
+
+def test_the_supervisor_checks_the_mesh_without_opening_a_backend_itself():
+    """`check_mesh_apart` answers as `check_mesh` would (a mesh the 8 devices take; one they do
+    not), while the calling process never starts JAX's backend."""
+    code = """
+from jax._src import xla_bridge
+from headrace import benchlib
+from headrace.config import ConfigError, load
+from headrace.runtime import processes
+
+example = str(benchlib.EXAMPLES / "guess_number.yaml")
+fits = load(example, overrides=["parallel.mesh={data: 2, fsdp: 2, tensor: 2}",
+                                "model.vocab_size=40"])
+processes.check_mesh_apart(fits)
+try:
+    processes.check_mesh_apart(load(example, overrides=["parallel.mesh={data: 3, fsdp: 1}"]))
+except ConfigError as error:
+    print("refused:", error)
+assert not xla_bridge.backends_are_initialized()
+print("ok")
+"""
+    out = _python(code, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[-1] == "ok" and "multiply to 3 but there are 8 devices" in lines[0], out.stdout
