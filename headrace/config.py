@@ -298,8 +298,8 @@ class ActorConfig:
     envs_per_actor: int = 256  # concurrent episodes per actor (a multiple of group_size)
     group_size: int = 8  # trajectories per task (G)
     cpu_threads: int = 1  # must be 1 (older configs): XLA:CPU takes a thread per CPU it may use
-    # JAX backend of actor processes and the supervisor's evaluation (cpu: leaves it to the learner)
-    platform: Literal["cpu", "default"] = "cpu"
+    # JAX backend of actors and the supervisor's evaluation (auto: cpu on the learner's machine)
+    platform: Literal["auto", "cpu", "default"] = "auto"
     max_batch: int = 512  # most episodes in one batched policy call
     batch_wait_ms: float = 2.0  # how long a policy call waits for more episodes to batch with
     max_restarts: int = 5  # processes and ray launchers: crashes in a row (each restarted with backoff 1, 2,

@@ -274,7 +274,8 @@ class RedisServer:
         self.binary = binary
         self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
         self.log_path = self.dir / "redis.log"
-        self.socket = _socket_path(self.dir) if unix else None
+        self.unix = unix
+        self.socket: pathlib.Path | None = None  # a unix server's, from `start` on
         self._proc: subprocess.Popen | None = None
 
     @classmethod
@@ -296,7 +297,9 @@ class RedisServer:
         """`redis://[CLIENT_USER@]host:port/0` (`unix://[CLIENT_USER@]/path/redis.sock?db=0`),
         without a password (pass it separately): it names the client user when the server has one."""
         user = f"{CLIENT_USER}@" if self.client_password else ""
-        if self.socket is not None:
+        if self.unix:
+            if self.socket is None:
+                raise RedisServerError("the server has no socket yet: call start() first")
             return f"unix://{user}{self.socket}?db=0"
         if not self.port:
             raise RedisServerError("the server has no port yet: call start() first")
@@ -368,9 +371,9 @@ class RedisServer:
             if other and _alive(other):
                 raise RedisServerError(f"a redis-server (pid {other}) already serves {self.dir}; "
                                        "stop it before starting another on the same folder")
-        if self.socket is not None:  # a temporary folder `stop` removed
-            self.socket.parent.mkdir(mode=0o700, exist_ok=True)
-        picked = not self.port and self.socket is None
+        if self.unix and self.socket is None:  # kept across a crash: its clients' address
+            self.socket = _socket_path(self.dir)
+        picked = not self.port and not self.unix
         for attempt in range(3):
             if picked:
                 self.port = _free_port(self.host)
@@ -434,7 +437,8 @@ class RedisServer:
         self._proc.wait()
         self._proc = None
         if self.socket is not None and self.socket.parent != self.dir:
-            shutil.rmtree(self.socket.parent, ignore_errors=True)
+            shutil.rmtree(self.socket.parent, ignore_errors=True)  # a temporary folder's
+            self.socket = None  # a new private folder at the next start
 
     def kill(self) -> None:
         """SIGKILLs the server (a crash: nothing is flushed) and reaps it; for tests."""

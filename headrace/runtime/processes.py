@@ -251,7 +251,7 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
                           f"weights.backend=dir or redis, not {config.buffer.backend} and "
                           f"{config.weights.backend}")  # Config refuses it before this
     check_mesh_apart(config)  # in the learner process it would fail alone
-    if config.actor.platform == "cpu":  # the evaluator's sampler: the accelerator is the learner's
+    if config.actor.platform != "default":  # the evaluator's sampler: the learner's accelerator
         worker.use_cpu_backend()
     if make_supervisor is Supervisor:  # here, not in a child that fails on them alone
         placement.check(config.run)

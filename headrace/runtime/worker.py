@@ -124,7 +124,7 @@ def use_cpu_backend() -> None:
     """This process's JAX computes on the CPU whatever accelerator the machine has, which it
     leaves to the learner process: only one process at a time may open a TPU, and a process that
     opens a GPU reserves most of its memory. For the processes launcher's supervisor (its greedy
-    evaluation) and actors (`actor.platform: cpu`). In this process only (not through the
+    evaluation) and actors (`actor.platform`). In this process only (not through the
     environment: the learner processes it starts must see the accelerator). Warns when JAX has
     already opened another backend here, which then holds the accelerator."""
     import jax
@@ -137,6 +137,12 @@ def use_cpu_backend() -> None:
                         jax.default_backend())
         return
     jax.config.update("jax_platforms", "cpu")
+
+
+def actor_on_cpu(platform: str, beside_learner: bool) -> bool:
+    """Whether an actor process keeps JAX on the CPU: `actor.platform` cpu, or auto where it
+    shares the learner's machine (the processes launcher's actors)."""
+    return platform == "cpu" or (platform == "auto" and beside_learner)
 
 
 def mesh_check_main(config_data: dict[str, Any], send) -> None:
@@ -157,13 +163,14 @@ def mesh_check_main(config_data: dict[str, Any], send) -> None:
     send.close()
 
 
-def _common(config_data: dict[str, Any], run_dir: str, actor: bool = False):
+def _common(config_data: dict[str, Any], run_dir: str, actor: bool = False,
+            beside_learner: bool = False):
     from headrace.config import load
     from headrace.runtime import build
 
     config = load(data=config_data)
-    if actor and config.actor.platform == "cpu":  # before anything starts JAX's backend
-        use_cpu_backend()
+    if actor and actor_on_cpu(config.actor.platform, beside_learner):
+        use_cpu_backend()  # before anything starts JAX's backend
     task = build.build_task(config)
     weights = build.make_weights(config, run_dir)
     return config, task, weights
@@ -235,16 +242,21 @@ def actor_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: str,
         _actor(config_data, run_dir, url, run_id, index, stop, name, standalone)
         return
     with _recording(run_dir, name):
-        _actor(config_data, run_dir, url, run_id, index, stop, name, standalone)
+        _actor(config_data, run_dir, url, run_id, index, stop, name, standalone,
+               beside_learner=True)
 
 
-def _actor(config_data, run_dir, url, run_id, index, stop, name, standalone) -> None:
+def _actor(config_data, run_dir, url, run_id, index, stop, name, standalone,
+           beside_learner: bool = False) -> None:
+    """`beside_learner`: a processes launcher's actor, on the learner's machine (`actor.platform:
+    auto` keeps its JAX on the CPU); else on a host of its own (Ray's, `headrace actor`)."""
     from headrace.metrics.core import Metrics
     from headrace.metrics.remote import Publisher
     from headrace.model import params as params_lib
     from headrace.runtime import build
 
-    config, task, weights = _common(config_data, run_dir, actor=True)
+    config, task, weights = _common(config_data, run_dir, actor=True,
+                                    beside_learner=beside_learner)
     buffer = build.make_buffer(config, url=url, run_id=run_id, consumer=name)
     metrics = Metrics()
     publisher = Publisher(buffer.client, run_id, name, metrics, extra=buffer.stats,

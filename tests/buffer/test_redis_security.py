@@ -210,10 +210,14 @@ def test_a_unix_socket_server_opens_no_port_and_only_its_user_may_connect(tmp_pa
         finally:
             buffer.close()
     finally:
+        socket = server.socket
         server.stop()
-    assert not server.socket.exists() and server.socket.parent.exists() != deep
-    server.start()  # again, on the same address (a crashed server's restart)
-    server.stop()
+    assert not socket.exists() and socket.parent.exists() != deep
+    server.start()  # again: the folder's socket, or a new private folder
+    try:
+        assert server.socket.parent.exists() and _as_client(server, credentials.client).ping()
+    finally:
+        server.stop()
 
 
 def test_another_interface_needs_a_password(tmp_path):

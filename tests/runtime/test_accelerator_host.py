@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from headrace.runtime import worker
+
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -55,3 +57,13 @@ print("ok")
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert lines[-1] == "ok" and "multiply to 3 but there are 8 devices" in lines[0], out.stdout
+
+
+@pytest.mark.parametrize("platform, beside_learner, cpu", [
+    ("auto", True, True),  # the processes launcher's actors: the learner's machine
+    ("auto", False, False),  # Ray's bundles, `headrace actor`: hosts of their own
+    ("cpu", False, True),
+    ("default", True, False),
+])
+def test_where_an_actor_keeps_jax(platform, beside_learner, cpu):
+    assert worker.actor_on_cpu(platform, beside_learner) == cpu
