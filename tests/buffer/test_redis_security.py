@@ -209,6 +209,9 @@ def test_a_unix_socket_server_opens_no_port_and_only_its_user_may_connect(tmp_pa
             assert entry.group.group_id == "g1"
         finally:
             buffer.close()
+        url = server.url
+        server.kill()  # a crash: restarted where its clients look for it
+        assert server.start().url == url and _as_client(server, credentials.client).ping()
     finally:
         socket = server.socket
         server.stop()
