@@ -4,11 +4,11 @@
 A pinned learner's CPUs are its own: several learner processes (`parallel.processes`) share
 `run.learner_cpus` out, and actors without `run.actor_cpus` get the CPUs the learner leaves (the
 audit's model of the actors' cores is the same), shared out among the actor processes
-(`actor_share`). XLA:CPU runs a thread per CPU a process may use,
-so on a small machine an unpinned learner's and actors' thread pools contend for every core.
-`run.learner_cpus: auto` gives each learner process one of the CPUs this process may use, the
-lowest first, when some are left for the actors (else none is pinned): the same placement on a
-machine whose CPU set starts elsewhere than CPU 0 (a container's, a Slurm job's).
+(`actor_share`). XLA:CPU runs a thread per CPU a process may use, so on a small machine an unpinned
+learner's and actors' thread pools contend for every core. `run.learner_cpus: auto` gives each
+learner process one of the CPUs this process may use, the lowest first, when some are left for the
+actors (else none is pinned): the same placement on a machine whose CPU set starts elsewhere than
+CPU 0 (a container's, a Slurm job's).
 """
 
 from __future__ import annotations
