@@ -182,14 +182,34 @@ def learner_main(config_data: dict[str, Any], run_dir: str, url: str, run_id: st
     """One learner process; with `processes` > 1, process `process_id` of a jax.distributed job
     whose coordinator listens on `coordinator` (host:port)."""
     name = "learner" if processes == 1 else f"learner-{process_id}"
+    everywhere = frozenset(os.sched_getaffinity(0))  # before pinning: see `release_cpus`
     stop = _setup(name, cpus)
     with _recording(run_dir, name):
         _learner(config_data, run_dir, url, run_id, process_id, processes, coordinator, stop,
-                 name)
+                 name, everywhere=everywhere if cpus else None)
+
+
+def release_cpus(config, everywhere: frozenset[int]) -> bool:
+    """`run.learner_cpus: auto` pins a learner process before JAX starts (XLA:CPU sizes its pool
+    by the CPUs it may use then). One whose backend turns out to be an accelerator gets back the
+    CPUs it had before, on every thread: its step does not run on the CPU, and its host work
+    (reading, decoding and batching groups, publishing, the accelerator runtime's threads) would
+    share one core. Returns whether it did."""
+    import jax
+
+    if config.run.learner_cpus != "auto" or jax.default_backend() == "cpu":
+        return False
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(thread), everywhere)
+        except OSError:
+            pass  # a thread that has just ended
+    return True
 
 
 def _learner(config_data, run_dir, url, run_id, process_id, processes, coordinator, stop,
-             name) -> None:
+             name, everywhere: frozenset[int] | None = None) -> None:
+    """`everywhere`: the CPUs of the process before it was pinned (`release_cpus`)."""
     if processes > 1:
         from headrace.parallel import multihost
 
@@ -202,7 +222,9 @@ def _learner(config_data, run_dir, url, run_id, process_id, processes, coordinat
     config, task, weights = _common(config_data, run_dir)
     buffer = build.make_buffer(config, url=url, run_id=run_id, consumer=f"learner-{process_id}",
                                host=process_id, hosts=processes)
-    graphdef, params = build.init_params(config, task)
+    graphdef, params = build.init_params(config, task)  # JAX's backend runs from here on
+    if everywhere is not None:
+        release_cpus(config, everywhere)
     metrics = Metrics()
     publisher = Publisher(buffer.client, run_id, name, metrics, extra=buffer.stats,
                           on_failure=stop.set).start()

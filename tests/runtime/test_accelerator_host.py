@@ -67,3 +67,35 @@ print("ok")
 ])
 def test_where_an_actor_keeps_jax(platform, beside_learner, cpu):
     assert worker.actor_on_cpu(platform, beside_learner) == cpu
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable CPUs")
+def test_auto_gives_a_learner_on_an_accelerator_its_cpus_back():
+    """`run.learner_cpus: auto` pins the learner process before JAX starts; once its backend
+    shows an accelerator (here JAX's answer is replaced: this machine has none), every thread of
+    the process, those started while it was pinned too, gets the CPUs back. A learner on the
+    CPU, or one pinned by the user's list, stays pinned."""
+    code = """
+import os, threading, jax
+from headrace import benchlib
+from headrace.config import load
+from headrace.runtime import worker
+
+example = str(benchlib.EXAMPLES / "guess_number.yaml")
+everywhere = frozenset(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {min(everywhere)})
+done = threading.Event()
+thread = threading.Thread(target=done.wait)
+thread.start()
+pinned = lambda: {os.sched_getaffinity(t) == {min(everywhere)} for t in (0, thread.native_id)}
+assert not worker.release_cpus(load(example), everywhere) and pinned() == {True}  # on the CPU
+jax.default_backend = lambda: "tpu"
+listed = load(example, overrides=[f"run.learner_cpus=[{min(everywhere)}]"])
+assert not worker.release_cpus(listed, everywhere) and pinned() == {True}  # the user's list
+assert worker.release_cpus(load(example), everywhere) and pinned() == {False}
+assert os.sched_getaffinity(thread.native_id) == everywhere
+done.set()
+print("ok")
+"""
+    out = _python(code)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-3000:]
