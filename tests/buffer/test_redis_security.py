@@ -51,6 +51,19 @@ def _as_client(server: RedisServer, password: str | None) -> redis.Redis:
                                 socket_timeout=5)
 
 
+def _a_group_through(server: RedisServer, credentials: RedisCredentials, run_id: str) -> None:
+    """A group put and read back through the buffer as the client user, as the learner and
+    actors use it."""
+    buffer = RedisBuffer(server.url, run_id=run_id, consumer="c", password=credentials.client)
+    try:
+        buffer.put([make_group(1)], timeout_s=5)
+        [entry] = buffer.get(1, timeout_s=5)
+        assert entry.group.group_id == "g1"
+        buffer.ack([entry.id])
+    finally:
+        buffer.close()
+
+
 def test_the_client_user_has_what_headrace_needs(run_server, run_id):
     server, credentials = run_server
     assert server.url.startswith(f"redis://{CLIENT_USER}@127.0.0.1:")
@@ -65,15 +78,7 @@ def test_the_client_user_has_what_headrace_needs(run_server, run_id):
         assert list(client.scan_iter(match="headrace:x:*")) == [b"headrace:x:stream"]
     finally:
         client.close()
-    # The real components, as the learner and actors use them.
-    buffer = RedisBuffer(server.url, run_id=run_id, consumer="c", password=credentials.client)
-    try:
-        buffer.put([make_group(1)], timeout_s=5)
-        [entry] = buffer.get(1, timeout_s=5)
-        assert entry.group.group_id == "g1"
-        buffer.ack([entry.id])
-    finally:
-        buffer.close()
+    _a_group_through(server, credentials, run_id)  # the real components, as the learner's
     admission = RedisAdmission(server.url, AdmissionLimits(4, 1, 2), run_id=run_id,
                                password=credentials.client)
     try:  # its Lua scripts (SCRIPT LOAD + EVALSHA) and a scan
@@ -202,13 +207,7 @@ def test_a_unix_socket_server_opens_no_port_and_only_its_user_may_connect(tmp_pa
             assert client.info("server")["tcp_port"] == 0  # no TCP listener at all
         finally:
             client.close()
-        buffer = RedisBuffer(server.url, run_id=run_id, consumer="c", password=credentials.client)
-        try:
-            buffer.put([make_group(1)], timeout_s=5)
-            [entry] = buffer.get(1, timeout_s=5)
-            assert entry.group.group_id == "g1"
-        finally:
-            buffer.close()
+        _a_group_through(server, credentials, run_id)
         url = server.url
         server.kill()  # a crash: restarted where its clients look for it
         assert server.start().url == url and _as_client(server, credentials.client).ping()

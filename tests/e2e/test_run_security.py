@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from headrace.buffer.server import SECRETS_FILE, RedisServerError, find_redis_server
+from headrace.buffer.server import SECRETS_FILE
+from tests.conftest import _require_redis
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PASSWORD = "user-given-Pa55word-8c1e2f"
@@ -37,10 +38,7 @@ def _files_holding(run_dir: pathlib.Path, secret: str) -> list[str]:
 
 @pytest.mark.timeout(420)
 def test_a_user_password_never_reaches_the_run_folder_and_resume_needs_it(tmp_path):
-    try:
-        find_redis_server()
-    except RedisServerError as error:
-        pytest.skip(str(error))
+    _require_redis()
     run_dir = tmp_path / "run"
     first = _train("examples/guess_number.yaml", "--set", f"run.dir={run_dir}", *SMALL,
                    "--set", "run.max_steps=2", "--set", f"buffer.password={PASSWORD}")
@@ -75,10 +73,7 @@ def test_a_run_over_a_unix_socket_opens_no_port_and_resumes(tmp_path):
     """`buffer.transport: unix`: the supervisor, the learner and two actor processes (and the
     metrics they publish) reach the run's Redis through its socket file; a resumed run's server
     listens there again."""
-    try:
-        find_redis_server()
-    except RedisServerError as error:
-        pytest.skip(str(error))
+    _require_redis()
     run_dir = tmp_path / "run"
     first = _train("examples/guess_number.yaml", "--set", f"run.dir={run_dir}", *SMALL,
                    "--set", "run.max_steps=2", "--set", "buffer.transport=unix",
