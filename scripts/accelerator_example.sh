@@ -47,7 +47,7 @@ print(json.dumps({
     "eval_curve": [[r["learner/step"], round(r["time"] - records[0]["time"], 1), r["eval/success_rate"]]
                    for r in records if "eval/success_rate" in r]}))
 EOF
-  cat "$out/a$actors.json" | head -c 1500; echo
+  head -c 1500 "$out/a$actors.json"; echo
 done
 timeout 900 "$python" -m headrace.cli bench bare --seeds "${SEEDS:-1}" --json >"$out/bare.json" \
   2>"$out/bare.log" || status=$?
