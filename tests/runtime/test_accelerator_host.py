@@ -85,7 +85,7 @@ example = str(benchlib.EXAMPLES / "guess_number.yaml")
 everywhere = frozenset(os.sched_getaffinity(0))
 os.sched_setaffinity(0, {min(everywhere)})
 done = threading.Event()
-thread = threading.Thread(target=done.wait)
+thread = threading.Thread(target=done.wait, daemon=True)  # a failed assert exits at once
 thread.start()
 pinned = lambda: {os.sched_getaffinity(t) == {min(everywhere)} for t in (0, thread.native_id)}
 assert not worker.release_cpus(load(example), everywhere) and pinned() == {True}  # on the CPU
