@@ -250,9 +250,10 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
         raise ConfigError(f"run.launcher={config.run.launcher} needs buffer.backend=redis and "
                           f"weights.backend=dir or redis, not {config.buffer.backend} and "
                           f"{config.weights.backend}")  # Config refuses it before this
-    check_mesh_apart(config)  # in the learner process it would fail alone
     if config.actor.platform != "default":  # the evaluator's sampler: the learner's accelerator
         worker.use_cpu_backend()
+    task = build.build_task(config)  # refused here, before anything starts (a sandbox missing)
+    check_mesh_apart(config)  # in the learner process it would fail alone
     if make_supervisor is Supervisor:  # here, not in a child that fails on them alone
         placement.check(config.run)
     # From here on config.buffer.password is the clients' password, in memory only.
@@ -320,7 +321,6 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
             revive()
             supervisor.check()
 
-        task = build.build_task(config)
         build.kept_episodes(config, task)  # a config error now, not in every actor
         weights = build.make_weights(config, run_dir)
         graphdef = params_lib.graphdef(task.dims)
