@@ -269,6 +269,12 @@ def learner_step(config: Config, graphdef, optimizer: optax.GradientTransformati
     return step, row_shards(mesh) // jax.process_count()  # this process's rows
 
 
+def checks_mesh_at_start(config: Config) -> bool:
+    """Whether the launcher checks `parallel.mesh` before anything starts (`check_mesh`): a
+    sharded learner of one process; several processes check their own devices when they start."""
+    return config.parallel.sharded and config.parallel.processes == 1
+
+
 def check_mesh(config: Config, dims: ModelDims) -> None:
     """Refuses, before any process starts, a `parallel.mesh` this machine's devices or the model
     cannot take (the learner process would otherwise fail alone). Shapes only: nothing is built.
@@ -276,8 +282,8 @@ def check_mesh(config: Config, dims: ModelDims) -> None:
     Raises:
       ConfigError: the mesh does not fit the devices, or leaves too much of the model replicated.
     """
-    if not config.parallel.sharded or config.parallel.processes > 1:
-        return  # several processes: the devices are theirs, checked when they start
+    if not checks_mesh_at_start(config):
+        return
     mesh = make_mesh(config.parallel.mesh)
     if mesh.size == 1:
         return

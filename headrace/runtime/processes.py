@@ -197,8 +197,10 @@ def check_mesh_apart(config: Config, timeout_s: float = MESH_CHECK_S) -> None:
     Raises:
       ConfigError: what `check_mesh` refuses, before anything starts.
     """
-    if not config.parallel.sharded or config.parallel.processes > 1:
-        return  # several processes: the devices are theirs, checked when they start
+    from headrace.learner.sharded_step import checks_mesh_at_start
+
+    if not checks_mesh_at_start(config):  # nothing to check: no process started for it
+        return
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
     process = context.Process(target=worker.mesh_check_main, name="mesh-check", daemon=True,
