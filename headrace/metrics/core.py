@@ -156,8 +156,8 @@ class Metrics:
     def export(self) -> dict[str, dict]:
         """The snapshot split into counters (summed across processes) and values, with `reduce`:
         the reduction of every value that is not a mean (see the module docstring)."""
-        snapshot = self.snapshot()
-        with self._lock:
+        with self._lock:  # one hold: a counter made after the snapshot is not in it
+            snapshot = self._snapshot()
             counters = {k: snapshot.pop(k) for k in list(self.counters)}
             reduce = {f"{name}{suffix}": r for name in self.dists
                       for suffix, _, r in SERIES if r != MEAN}
@@ -166,14 +166,18 @@ class Metrics:
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
-            out: dict[str, float] = dict(self.counters)
-            out.update(self.gauges)
-            quantiles = [q for _, q, _ in SERIES if q is not None]
-            for name, dist in self.dists.items():
-                values, mean = dist.summary(quantiles)
-                values = iter(values)
-                for suffix, q, _ in SERIES:
-                    out[f"{name}{suffix}"] = next(values) if q is not None else mean
-            for name, dist in self.averages.items():
-                out[name] = dist.mean()
-            return out
+            return self._snapshot()
+
+    def _snapshot(self) -> dict[str, float]:
+        """Every metric's current value (the caller holds the lock)."""
+        out: dict[str, float] = dict(self.counters)
+        out.update(self.gauges)
+        quantiles = [q for _, q, _ in SERIES if q is not None]
+        for name, dist in self.dists.items():
+            values, mean = dist.summary(quantiles)
+            values = iter(values)
+            for suffix, q, _ in SERIES:
+                out[f"{name}{suffix}"] = next(values) if q is not None else mean
+        for name, dist in self.averages.items():
+            out[name] = dist.mean()
+        return out

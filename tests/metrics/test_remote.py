@@ -92,3 +92,50 @@ def test_buffer_stats_from_each_process_add_up_where_they_are_the_clients(redis_
     assert merged["buffer/put_blocked_s"] == 1.0
     assert merged["buffer/depth"] == 3.0
 
+
+
+@pytest.mark.timeout(30)
+def test_export_is_consistent_while_counters_are_made():
+    """A counter made by another thread while the publisher exports is in that export or the
+    next, never a KeyError: export read the registry twice, and a counter first counted between
+    the two reads killed the publisher, and with it a learner (a group's first drop for lag)."""
+    import sys
+    import time
+
+    metrics = Metrics()
+    for i in range(50):
+        metrics.observe(f"series/{i}", 1.0)
+    stop, errors = threading.Event(), []
+
+    def make() -> None:
+        i = 0
+        while not stop.is_set():
+            metrics.count(f"counter/{i}")
+            i += 1
+
+    def export() -> None:
+        try:
+            while not stop.is_set():
+                data = metrics.export()
+                assert set(data["counters"]).isdisjoint(data["values"])
+        except Exception as error:  # noqa: BLE001 (reported below)
+            errors.append(error)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often: the old code failed within 0.5 s
+    threads = [threading.Thread(target=make, daemon=True),
+               threading.Thread(target=export, daemon=True)]
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and not errors:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+        sys.setswitchinterval(interval)
+    assert not errors, errors[0]
+    final = metrics.export()["counters"]
+    assert len(final) == len(metrics.counters) > 0
