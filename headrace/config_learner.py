@@ -38,6 +38,7 @@ class LossConfig:
     kind: Literal["none", "truncated_is", "ppo_clip", "decoupled", "dppo_mask", "m2po"] = "ppo_clip"
     rho_max: float = 2.0  # truncation of importance weights (truncated_is, decoupled)
     clip_eps: float = 0.2  # PPO ratio clip
+    clip_eps_high: float = 0.0  # the clip's upper side, 1 + this (DAPO's clip-higher; 0: clip_eps)
     dual_clip: float = 3.0  # dual-clip bound for negative advantages (0: off)
     # Importance ratio per token, per sequence (GSPO), or per decision: the product over the
     # sequence's loss tokens so far (`headrace.learner.losses`).
@@ -54,6 +55,8 @@ class LossConfig:
         _check(0 < self.tv_delta <= 1, "learner.loss.tv_delta", self.tv_delta, "must be in (0, 1]")
         _check(self.m2_tau > 0, "learner.loss.m2_tau", self.m2_tau, "must be > 0")
         _check(0 < self.clip_eps < 1, "learner.loss.clip_eps", self.clip_eps, "must be in (0, 1)")
+        _check(self.clip_eps_high >= 0, "learner.loss.clip_eps_high", self.clip_eps_high,
+               "must be >= 0 (0: learner.loss.clip_eps)")
         _check(self.dual_clip == 0 or self.dual_clip > 1, "learner.loss.dual_clip", self.dual_clip,
                "must be 0 (off) or > 1")
 
@@ -66,7 +69,11 @@ class LearnerConfig:
     loss: LossConfig = LossConfig()  # policy-gradient loss and its correction
     advantage: Literal["grpo", "rloo"] = "grpo"  # group-relative baseline
     advantage_std_norm: bool = False  # divide advantages by the group's reward std
-    loss_agg: Literal["token_mean", "sequence_mean"] = "token_mean"  # loss aggregation
+    # Drop groups whose valid members' rewards are all equal (every advantage 0), as DAPO's
+    # dynamic sampling does; the batch fills with groups that carry a learning signal.
+    drop_uniform_groups: bool = False
+    # loss aggregation: a token mean, a sequence mean, or token sums over a constant (Dr. GRPO)
+    loss_agg: Literal["token_mean", "sequence_mean", "token_sum"] = "token_mean"
     entropy_coef: float = 0.0  # entropy bonus weight
     kl_coef: float = 0.0  # KL-to-reference weight (reference: the initial policy)
     minibatches: int = 1  # optimizer updates per pass over the step's groups

@@ -13,7 +13,9 @@ loss, advantages, entropy bonus, minibatches per step, epochs), the initial para
 renderer's; the learner trains on the action tokens only), the objective (`train_step.make_loss_fn`,
 the learner's own loss) and the greedy evaluation (`headrace.actor.evaluate.evaluate` on the 32
 secrets, the evaluator `headrace train` runs; its time is left out of the loop's clock). What
-differs: every update is on-policy (lag 0) and the rollout is batched on the device.
+differs: every update is on-policy (lag 0) and the rollout is batched on the device. With
+`learner.drop_uniform_groups` each step rolls out batches until `groups_per_batch` groups with
+unequal rewards have come and trains on those (`DynamicSampling`; `rollouts_per_step`).
 
 Reported per seed: `time_to_target_s` (seconds of the loop, compiles included, evaluations left
 out, to the first greedy evaluation at `run.eval_target`), the curve (`eval_curve`: updates,
@@ -141,6 +143,8 @@ class Bare:
         if learner.loss_agg == "sequence_mean":
             per_row = on / jnp.maximum(on.sum(axis=1, keepdims=True), 1)
             weight = per_row / on.shape[0]
+        elif learner.loss_agg == "token_sum":  # the learner's constant: the largest bucket
+            weight = on / (on.shape[0] * self.config.shapes.buckets[-1])
         else:
             weight = on / jnp.maximum(on.sum(), 1)
         return {"tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(tokens.shape[1]),
@@ -173,6 +177,54 @@ class Bare:
         return params, opt_state, reward.mean(), success.mean()
 
 
+class DynamicSampling:
+    """`learner.drop_uniform_groups` in the bare loop, as DAPO does it: roll out batches until
+    `groups_per_batch` groups with unequal rewards have come, then train on the first that many
+    (the rest are discarded: every update stays on-policy). Rollouts and the update are separate
+    programs; the groups are chosen on the host (`advantages.uniform`, the learner's test)."""
+
+    def __init__(self, bare: Bare):
+        import jax
+
+        self.bare = bare
+        self.rollout = jax.jit(bare.rollout)
+        self.update = jax.jit(bare.update)
+        self.rollouts = 0  # rollouts run, over every step
+
+    def compile(self, params, opt_state, key) -> None:
+        import jax
+
+        data = jax.block_until_ready(self.rollout(params, key))
+        jax.block_until_ready(self.update(params, opt_state, *data[:4]))
+
+    def gather(self, params, key):
+        """(tokens, on, behaviour, reward, success) of the step's `groups_per_batch` groups with
+        unequal rewards, rolled out with `params` (as many rollouts as that takes)."""
+        import jax
+        import numpy as np
+
+        from headrace.learner.advantages import uniform
+
+        g = self.bare.config.actor.group_size
+        need = self.bare.config.learner.groups_per_batch
+        kept: list[tuple[np.ndarray, ...]] = []
+        while sum(len(part[0]) for part in kept) < need * g:
+            key, sub = jax.random.split(key)
+            # Deliberate device->host sync: which groups to keep is decided on the host.
+            tokens, on, behaviour, reward, success, _ = jax.device_get(self.rollout(params, sub))
+            self.rollouts += 1
+            rows = [np.arange(i, i + g) for i in range(0, len(reward), g)
+                    if not uniform(reward[i:i + g], np.ones(g, bool))]
+            rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+            kept.append((tokens[rows], on[rows], behaviour[rows], reward[rows], success[rows]))
+        return tuple(np.concatenate(field)[:need * g] for field in zip(*kept))
+
+    def __call__(self, params, opt_state, key):
+        tokens, on, behaviour, reward, success = self.gather(params, key)
+        params, opt_state = self.update(params, opt_state, tokens, on, behaviour, reward)
+        return params, opt_state, reward.mean(), success.mean()
+
+
 def train(config, seed: int, max_wall_s: float, eval_every: int, max_steps: int) -> dict:
     """One seed of the bare loop until the greedy target, `max_wall_s` of loop time or
     `max_steps` iterations."""
@@ -183,6 +235,7 @@ def train(config, seed: int, max_wall_s: float, eval_every: int, max_steps: int)
 
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, seed=seed))
     bare = Bare(config)
+    dynamic = DynamicSampling(bare) if config.learner.drop_uniform_groups else None
     step_fn = jax.jit(bare.iteration)
     params, opt_state = bare.params, bare.optimizer.init(bare.params)
     sampler = build.make_sampler(config, bare.task, bare.graphdef, seed=seed + 7)
@@ -193,14 +246,19 @@ def train(config, seed: int, max_wall_s: float, eval_every: int, max_steps: int)
     key = jax.random.key(seed)
     curve, loop_s, cpu_s, step, ttt = [], 0.0, 0.0, 0, None
     compile_start = time.perf_counter()
-    compiled = step_fn.lower(params, opt_state, key).compile()
+    if dynamic is None:
+        compiled = step_fn.lower(params, opt_state, key).compile()
+    else:
+        dynamic.compile(params, opt_state, key)
+        compiled = dynamic
     compile_s = time.perf_counter() - compile_start
     loop_s += compile_s
     while loop_s < max_wall_s and (not max_steps or step < max_steps):
         key, sub = jax.random.split(key)
         begin, cpu_begin = time.perf_counter(), time.process_time()
         params, opt_state, reward, success = compiled(params, opt_state, sub)
-        reward.block_until_ready()  # the loop's clock: one host sync per iteration (intended)
+        # The loop's clock: one host sync per iteration (intended).
+        jax.block_until_ready(params if dynamic else reward)
         loop_s += time.perf_counter() - begin
         cpu_s += time.process_time() - cpu_begin  # every thread of the process (XLA's too)
         step += 1
@@ -224,6 +282,7 @@ def train(config, seed: int, max_wall_s: float, eval_every: int, max_steps: int)
             "cpu_s_per_step": cpu_s / step if step else None,
             "cores_busy": cpu_s / (loop_s - compile_s) if loop_s > compile_s else None,
             "rollout_s": rollout_s, "update_s": update_s,
+            "rollouts_per_step": dynamic.rollouts / step if dynamic and step else None,
             "final_success": curve[-1]["success"] if curve else None, "eval_curve": curve}
 
 

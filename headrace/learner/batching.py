@@ -12,7 +12,9 @@ Per token each microbatch carries `tokens`, `positions` (restarting at 0 per seg
 (the trajectory's), `policy_version` and `weight`. `weight` is the loss aggregation, normalised over
 the whole minibatch (all its microbatches), so summed microbatch gradients equal the minibatch
 gradient exactly: `token_mean` gives every loss token of the minibatch the same weight,
-`sequence_mean` every trajectory with loss tokens the same total weight.
+`sequence_mean` every trajectory with loss tokens the same total weight, `token_sum` every loss
+token 1 / (trajectories x the largest length bucket), a constant: a trajectory weighs its loss
+tokens, and neither long nor short ones are favoured per token (Dr. GRPO, Liu et al. 2025).
 
 What is left out of packing (so it costs no slots):
 - status `error` trajectories: out of the loss and out of their group's baseline;
@@ -204,10 +206,12 @@ class Batcher:
         return chosen
 
     def _weights(self, columns: _Columns, loss_tokens: int, trajectories: int) -> np.ndarray:
-        """Per-token weights summing to 1 over the minibatch's loss tokens (the counts are the
-        minibatch's: over every learner process when there are several)."""
+        """Per-token weights (the counts are the minibatch's: over every learner process when
+        there are several): summing to 1 over its loss tokens, but for `token_sum`'s constant."""
         if self.learner.loss_agg == "token_mean":
             return columns.mask / np.float32(max(int(loss_tokens), 1))
+        if self.learner.loss_agg == "token_sum":
+            return columns.mask / np.float32(max(int(trajectories), 1) * self.policy.longest)
         # sequence_mean: every trajectory with loss tokens weighs 1 / (their count)
         per_item = (columns.item_loss_tokens * max(int(trajectories), 1)).astype(np.float32)
         return columns.mask / np.repeat(per_item, columns.lengths)

@@ -10,8 +10,10 @@ device trains the current one, so batch building leaves the critical path.
 What the feed admits (docs/design.md, "Invariants"): an entry its checkpoint covers is skipped
 (`buffer/redelivered_skipped`); a group whose token ids reach past the model's vocabulary is
 quarantined through the buffer (an embedding lookup out of range would turn the weights into
-NaN); a group the gate refuses is dropped (counted by reason). Skips and drops are recorded in the
-book (`headrace.learner.book`), which acknowledges them with the next checkpoint.
+NaN); a group the gate refuses is dropped (counted by reason), and so, with
+`learner.drop_uniform_groups`, is one whose rewards are all equal (`gate.uninformative`). Skips
+and drops are recorded in the book (`headrace.learner.book`), which acknowledges them with the
+next checkpoint.
 
 The feed decides nothing about checkpoints: when every pending entry the buffer allows is handled
 but unacknowledged, `next` returns `STARVED` and the loop relieves it.
@@ -39,7 +41,7 @@ from headrace.buffer.serialize import MalformedEntry, check_tokens
 from headrace.config import Config
 from headrace.learner.batching import Batcher
 from headrace.learner.book import Book
-from headrace.learner.gate import StalenessGate
+from headrace.learner.gate import StalenessGate, uninformative
 from headrace.metrics.core import Metrics
 from headrace.metrics.traces import Tracer
 from headrace.types import Entry
@@ -75,6 +77,7 @@ class Feed:
         self.stop = stop
         self.vocab_size = vocab_size
         self.need = lc.groups_per_batch // processes
+        self.drop_uniform = lc.drop_uniform_groups
         self._build_ahead = processes == 1
         self._reports_waiting = processes > 1
         self.report = report
@@ -235,6 +238,8 @@ class Feed:
             self.book.release(entry.id)
             return False
         reason = self.gate.check(entry.group, version)
+        if reason is None and self.drop_uniform:
+            reason = uninformative(entry.group, self.metrics)
         if reason is not None:
             self.book.handled("dropped", [entry], reason)
             self._unreported += 1

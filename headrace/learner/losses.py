@@ -84,8 +84,11 @@ def truncated_is(logp, behaviour, adv, config: LossConfig, prox=None, level=_tok
 
 
 def _clipped_surrogate(ratio, adv, config: LossConfig):
+    """PPO's surrogate, the ratio clipped to [1 - clip_eps, 1 + clip_eps_high] (DAPO's
+    clip-higher, Yu et al. 2025, when the upper side is the wider; symmetric by default)."""
     unclipped = ratio * adv
-    clipped = jnp.clip(ratio, 1 - config.clip_eps, 1 + config.clip_eps) * adv
+    high = config.clip_eps_high or config.clip_eps
+    clipped = jnp.clip(ratio, 1 - config.clip_eps, 1 + high) * adv
     surrogate = jnp.minimum(unclipped, clipped)
     if config.dual_clip:
         surrogate = jnp.where(adv < 0, jnp.maximum(surrogate, config.dual_clip * adv), surrogate)

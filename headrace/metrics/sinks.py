@@ -60,6 +60,7 @@ LIVE_ROWS = (
     ("buffer depth", "buffer/depth", "{:.0f}"),
     ("policy lag (mean)", "staleness/lag_mean", "{:.2f}"),
     ("dropped (lag/age)", None, None),
+    ("dropped (uniform rewards)", "learner/dropped_uniform", "{:.0f}"),  # when asked for
     ("episodes", "actor/episodes", "{:.0f}"),
 )
 

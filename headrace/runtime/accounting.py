@@ -16,6 +16,7 @@ import os
 import pathlib
 from typing import Any
 
+from headrace.learner.gate import DROP_COUNTERS
 from headrace.rundir import RunDir
 from headrace.runtime.resume import CHECKPOINTS_KEPT, LedgerError, history, read_run
 
@@ -140,8 +141,8 @@ def accounting(run_dir: str | os.PathLike, client) -> dict[str, Any]:
 
     counts = {"learner/groups": len(trained_list),
               "buffer/redelivered_skipped": len(_ids(replay.effective, "skipped"))}
-    for reason in ("lag", "age"):
-        counts[f"staleness/dropped_{reason}"] = sum(
+    for reason, counter in DROP_COUNTERS.items():
+        counts[counter] = sum(
             len(r["groups"]) for r in replay.effective
             if r["kind"] == "dropped" and r["reason"] == reason)
     counters = metadata.get("counters", {})

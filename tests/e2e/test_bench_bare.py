@@ -57,6 +57,63 @@ def test_rollout_follows_the_environment_rules():
     assert 0 < success.sum() < len(success)  # both outcomes occur, so both were checked
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("loss_agg", ["token_mean", "sequence_mean", "token_sum"])
+def test_the_bare_loss_weights_are_the_learners(loss_agg):
+    """The same rollout, as the learner's batcher sees it (one trajectory per row, its tokens up
+    to its last), gets the same per-token weights and advantages in the bare loop (compared as
+    multisets: the batcher packs rows its own way)."""
+    from headrace.learner.batching import Batcher
+    from headrace.metrics.core import Metrics
+    from headrace.types import Group, Trajectory
+
+    config = load(ROOT / "examples" / "guess_number.yaml", [
+        "learner.groups_per_batch=8", "learner.minibatches=1", f"learner.loss_agg={loss_agg}"])
+    bare = _bench().Bare(config)
+    tokens, on, behaviour, reward, _, _ = (
+        np.asarray(x) for x in jax.jit(bare.rollout)(bare.params, jax.random.key(5)))
+    want = {k: np.asarray(v) for k, v in bare.microbatch(tokens, on, behaviour, reward).items()}
+    size, groups = config.actor.group_size, []
+    for g in range(tokens.shape[0] // size):
+        rows = range(g * size, (g + 1) * size)
+        ends = [int(np.flatnonzero(tokens[r] != bare.pad).max()) + 1 for r in rows]
+        groups.append(Group(f"g{g}", f"t{g}", [Trajectory(
+            trajectory_id=f"g{g}.{r}", group_id=f"g{g}", task_id=f"t{g}", env="guess_number",
+            actor_id="a", tokens=tokens[r, :n], loss_mask=on[r, :n],
+            behaviour_logprobs=behaviour[r, :n], policy_version=np.zeros(n, np.int32),
+            turns=[], reward=float(reward[r])) for r, n in zip(rows, ends)]))
+    batch = Batcher(config.learner, config.shapes, Metrics()).build(groups)
+    (microbatch,) = batch.microbatches
+    got = microbatch.arrays
+    weights = np.sort(got["weight"][got["weight"] > 0])
+    np.testing.assert_allclose(weights, np.sort(want["weight"][want["weight"] > 0]), rtol=1e-6)
+    assert got["weight"].sum() == pytest.approx(want["weight"].sum(), rel=1e-6)
+    np.testing.assert_allclose(np.sort(got["advantages"][got["loss_mask"] > 0]),
+                               np.sort(want["advantages"][on]), atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_dynamic_sampling_trains_on_groups_whose_rewards_differ():
+    """With `learner.drop_uniform_groups` the bare loop rolls out until it has the step's groups
+    with unequal rewards, as the learner's feed fills its batch."""
+    from headrace.learner.advantages import uniform
+
+    config = load(ROOT / "examples" / "guess_number.yaml", [
+        "learner.drop_uniform_groups=true"])  # 32 groups: P(no uniform one) ~ 0.75^32
+    bare = _bench().Bare(config)
+    dynamic = _bench().DynamicSampling(bare)
+    rollout = jax.device_get(dynamic.rollout(bare.params, jax.random.key(0)))
+    g = config.actor.group_size
+    groups = rollout[3].reshape(-1, g)
+    assert any(uniform(r, np.ones(g, bool)) for r in groups)  # the initial policy makes some
+    tokens, on, behaviour, reward, success = dynamic.gather(bare.params, jax.random.key(1))
+    need = config.learner.groups_per_batch * g
+    assert tokens.shape == (need, bare.width) and len(reward) == len(success) == need
+    assert not any(uniform(r, np.ones(g, bool)) for r in reward.reshape(-1, g))
+    assert dynamic.rollouts >= 2  # one rollout of 32 groups hardly ever has 32 that differ
+    assert (success == (reward > 0)).all() and on.any(axis=1).all()
+
+
 @pytest.mark.timeout(600)
 def test_quick_bare_run_reports_a_curve():
     result = subprocess.run([sys.executable, "-m", "headrace.cli", "bench", "bare", "--quick",

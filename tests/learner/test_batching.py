@@ -70,13 +70,15 @@ def reference(groups, cfg: LearnerConfig, longest: int):
         for t, n, mask, adv in chosen:
             if cfg.loss_agg == "token_mean":
                 weight = [x / total for x in mask]
+            elif cfg.loss_agg == "token_sum":
+                weight = [x / (len(chosen) * longest) for x in mask]
             else:
                 weight = [x / sum(mask) / len(chosen) for x in mask]
             expected[int(t.tokens[0])] = (m, t, n, mask, adv, weight)
     return expected
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("loss_agg", ["token_mean", "sequence_mean", "token_sum"])
 @pytest.mark.parametrize("budget", [0, 32])
 def test_batch_matches_reference(loss_agg, budget):
     rng = np.random.default_rng(1)
@@ -99,9 +101,14 @@ def test_batch_matches_reference(loss_agg, budget):
         np.testing.assert_array_equal(fields["policy_version"], t.policy_version[:n])
         np.testing.assert_allclose(fields["advantages"], adv, atol=1e-6)
         np.testing.assert_allclose(fields["weight"], weight, rtol=1e-6)
-    for m in range(2):  # weights sum to 1 over each minibatch, across its microbatches
+    for m in range(2):  # weights sum to 1 over each minibatch, across its microbatches...
         total = sum(mb.arrays["weight"].sum() for mb in batch.microbatches if mb.minibatch == m)
-        assert total == pytest.approx(1.0, abs=1e-5)
+        if loss_agg == "token_sum":  # ...but Dr. GRPO's, loss tokens over a constant
+            tokens = sum(sum(mask) for mb, _, _, mask, _, _ in want.values() if mb == m)
+            trajectories = sum(mb == m for mb, *_ in want.values())
+            assert total == pytest.approx(tokens / (trajectories * BUCKETS[-1]), rel=1e-5)
+        else:
+            assert total == pytest.approx(1.0, abs=1e-5)
     assert [mb.minibatch for mb in batch.microbatches] == sorted(
         mb.minibatch for mb in batch.microbatches)
     assert [mb.last for mb in batch.microbatches].count(True) == batch.updates == 2

@@ -1,13 +1,26 @@
-"""The staleness gate drops whole groups over the lag or age limit and counts each drop."""
+"""The learner's gates drop whole groups over the lag or age limit, or (when asked) with rewards
+that teach nothing, and count each drop."""
 
+import dataclasses
+import threading
 import time
 
 import numpy as np
+import pytest
 
 from headrace.config import StalenessConfig
-from headrace.learner.gate import DROP_AGE, DROP_LAG, StalenessGate
+from headrace.learner.advantages import group_advantages, uniform
+from headrace.learner.gate import (
+    DROP_AGE,
+    DROP_COUNTERS,
+    DROP_LAG,
+    DROP_UNIFORM,
+    StalenessGate,
+    uninformative,
+)
 from headrace.metrics.core import Metrics
 from headrace.types import Group, Trajectory
+from tests.learner.test_checkpointing import actions, make_group, model  # noqa: F401 (fixture)
 
 
 def group(versions, started):
@@ -40,3 +53,74 @@ def test_age_limit():
     snapshot = metrics.snapshot()
     assert snapshot["staleness/dropped_age"] == 1
     assert "staleness/dropped_lag" not in snapshot
+
+
+def with_rewards(base: Group, rewards, statuses=None) -> Group:
+    statuses = statuses or ["ok"] * len(rewards)
+    return dataclasses.replace(base, trajectories=[
+        dataclasses.replace(t, reward=r, status=s)
+        for t, r, s in zip(base.trajectories, rewards, statuses, strict=True)])
+
+
+def test_a_group_is_uniform_when_its_valid_members_rewards_are_equal():
+    assert uniform([-0.05] * 8, [True] * 8)
+    assert uniform([1.0, 1.0 + 1e-8], [True, True])  # float32 cannot tell them apart
+    assert uniform([1e6, 1e6 + 0.5], [True, True])  # nor these: relative resolution
+    assert not uniform([0.0, 1e-4], [True, True])
+    assert not uniform([1e6, 1e6 + 2.0], [True, True])
+    assert uniform([0.0, 1.0, 0.0], [True, False, True])  # an errored member is no baseline
+    assert uniform([1.0, 0.0], [True, False])  # one valid member: no baseline at all
+    # where `uniform` says so, every advantage is 0 (std normalisation included)
+    for rewards in ([0.3] * 4, [0.0, 1e-9, 0.0, 0.0]):
+        for kind in ("grpo", "rloo"):
+            adv = group_advantages(np.array(rewards), np.ones(4, bool), kind)
+            np.testing.assert_allclose(adv, 0.0, atol=1e-8)
+
+
+def test_uninformative_groups_are_dropped_and_counted():
+    metrics = Metrics()
+    now = time.time()
+    base = group([0, 0, 0], now)
+    assert uninformative(with_rewards(base, [0.0, 1.0, 0.0]), metrics) is None
+    assert uninformative(with_rewards(base, [-0.05] * 3), metrics) == DROP_UNIFORM
+    assert uninformative(with_rewards(base, [1.0, 0.0, 1.0], ["ok", "error", "ok"]),
+                         metrics) == DROP_UNIFORM
+    assert metrics.snapshot()[DROP_COUNTERS[DROP_UNIFORM]] == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("drop", [True, False])
+def test_the_feed_fills_batches_with_informative_groups(model, drop):  # noqa: F811
+    """With `learner.drop_uniform_groups` a batch takes only groups whose rewards differ; the
+    others are dropped (counted, recorded as handled, so admission hears of them)."""
+    from headrace.buffer.memory import MemoryBuffer
+    from headrace.config import load
+    from headrace.learner.book import Book
+    from headrace.learner.feed import Feed
+    from headrace.metrics.traces import Tracer
+    from headrace.weights.memory import MemoryWeightStore
+
+    config = load("examples/guess_number.yaml", [
+        "learner.groups_per_batch=4", "buffer.max_pending=64",
+        f"learner.drop_uniform_groups={str(drop).lower()}"])
+    buffer, metrics, stop = MemoryBuffer(capacity=100, max_pending=64), Metrics(), threading.Event()
+    book = Book(config, buffer, metrics)
+    feed = Feed(config, buffer, None, StalenessGate(config.staleness, metrics), book, metrics,
+                Tracer(None, MemoryWeightStore(2), metrics), stop, model[0].dims.vocab_size)
+    groups = [make_group(i, actions(model)) for i in range(8)]
+    groups = [with_rewards(g, [0.0, 0.0]) if i % 2 else g for i, g in enumerate(groups)]
+    buffer.put(groups, timeout_s=1)
+    feed.start()
+    try:
+        entries, _ = feed.next(0)
+    finally:
+        stop.set()
+        feed.close()
+    taken = [e.group.group_id for e in entries]
+    if drop:
+        assert taken == [g.group_id for g in groups[0::2]]
+        assert metrics.counters[DROP_COUNTERS[DROP_UNIFORM]] == 3  # the 4th is still queued
+        assert len(book.unacked) == 3  # handled: acknowledged with the next checkpoint
+    else:
+        assert taken == [g.group_id for g in groups[:4]]
+        assert DROP_COUNTERS[DROP_UNIFORM] not in metrics.counters

@@ -1,5 +1,6 @@
 """Losses and advantages against plain Python references; on-policy gradients agree."""
 
+import dataclasses
 import functools
 import math
 
@@ -13,23 +14,25 @@ from headrace.learner import losses
 from headrace.learner.advantages import group_advantages
 
 CFG = LossConfig(kind="ppo_clip", rho_max=2.0, clip_eps=0.2, dual_clip=3.0)
+CLIP_HIGHER = dataclasses.replace(CFG, clip_eps_high=0.28)  # DAPO's asymmetric clip
 
 
-def reference_loss(kind, logp, behaviour, adv, prox):
+def reference_loss(kind, logp, behaviour, adv, prox, cfg=CFG):
+    high = cfg.clip_eps_high or cfg.clip_eps
     out = []
     for lp, b, a, px in zip(logp, behaviour, adv, prox):
         rho = math.exp(lp - b)
         if kind == "none":
             out.append(-a * lp)
         elif kind == "truncated_is":
-            out.append(-min(rho, CFG.rho_max) * a * lp)
+            out.append(-min(rho, cfg.rho_max) * a * lp)
         else:
             ratio = rho if kind == "ppo_clip" else math.exp(lp - px)
-            clipped = min(max(ratio, 1 - CFG.clip_eps), 1 + CFG.clip_eps)
+            clipped = min(max(ratio, 1 - cfg.clip_eps), 1 + high)
             surrogate = min(ratio * a, clipped * a)
             if a < 0:
-                surrogate = max(surrogate, CFG.dual_clip * a)
-            weight = 1.0 if kind == "ppo_clip" else min(math.exp(px - b), CFG.rho_max)
+                surrogate = max(surrogate, cfg.dual_clip * a)
+            weight = 1.0 if kind == "ppo_clip" else min(math.exp(px - b), cfg.rho_max)
             out.append(-weight * surrogate)
     return np.array(out)
 
@@ -46,6 +49,30 @@ def test_loss_matches_python_reference(kind):
                                  prox=jnp.asarray(prox))
     np.testing.assert_allclose(np.asarray(got), reference_loss(kind, logp, behaviour, adv, prox),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["ppo_clip", "decoupled"])
+def test_clip_higher_matches_python_reference(kind):
+    """`clip_eps_high` widens the clip's upper side only: ratios in (1.2, 1.28] with A > 0 keep
+    their gradient, where the symmetric clip stops it."""
+    rng = np.random.default_rng(2)
+    n = 256
+    logp = -rng.uniform(0.1, 3.0, n).astype(np.float32)
+    behaviour = (logp - rng.uniform(-0.4, 0.4, n)).astype(np.float32)
+    prox = (logp - rng.uniform(-0.4, 0.4, n)).astype(np.float32)
+    adv = rng.normal(0, 1, n).astype(np.float32)
+    args = [jnp.asarray(x) for x in (logp, behaviour, adv)]
+    got, clipped = losses.LOSSES[kind](*args, CLIP_HIGHER, prox=jnp.asarray(prox))
+    want = reference_loss(kind, logp, behaviour, adv, prox, CLIP_HIGHER)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    symmetric = reference_loss(kind, logp, behaviour, adv, prox)
+    ratio = np.exp(logp - (behaviour if kind == "ppo_clip" else prox))
+    between = (ratio > 1.2) & (ratio < 1.28) & (adv > 0)
+    assert between.sum() >= 10  # the data reach the band where the two clips differ
+    assert not np.asarray(clipped)[between].any()
+    assert not np.allclose(want[between], symmetric[between])
+    _, clipped_symmetric = losses.LOSSES[kind](*args, CFG, prox=jnp.asarray(prox))
+    assert np.asarray(clipped_symmetric)[between].all()
 
 
 @pytest.mark.parametrize("kind", ["none", "truncated_is", "ppo_clip", "decoupled"])

@@ -198,7 +198,7 @@ def test_config_tail_splits_is_validated_and_reaches_the_batcher():
     assert Batcher(cfg.learner, cfg.shapes, Metrics()).policy.tail_splits == 2
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("loss_agg", ["token_mean", "sequence_mean", "token_sum"])
 def test_batcher_with_tail_shapes_matches_the_reference(loss_agg):
     """The data path is the same with tail shapes: every token, weight and advantage where the
     slow reference puts it; shapes from the policy; fewer slots than without the tail."""
