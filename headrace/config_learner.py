@@ -70,8 +70,10 @@ class LearnerConfig:
     advantage: Literal["grpo", "rloo"] = "grpo"  # group-relative baseline
     advantage_std_norm: bool = False  # divide advantages by the group's reward std
     # Drop groups whose valid members' rewards are all equal (every advantage 0), as DAPO's
-    # dynamic sampling does; the batch fills with groups that carry a learning signal.
+    # dynamic sampling does; the batch fills with groups that carry a learning signal...
     drop_uniform_groups: bool = False
+    # ...up to this many batches' worth a step; past it the step trains those that come
+    uniform_drop_limit: float = 1.0
     # loss aggregation: a token mean, a sequence mean, or token sums over a constant (Dr. GRPO)
     loss_agg: Literal["token_mean", "sequence_mean", "token_sum"] = "token_mean"
     entropy_coef: float = 0.0  # entropy bonus weight
@@ -91,6 +93,8 @@ class LearnerConfig:
         _check(self.groups_per_batch >= 1, "learner.groups_per_batch", self.groups_per_batch,
                "must be >= 1")
         _check(self.publish_every >= 1, "learner.publish_every", self.publish_every, "must be >= 1")
+        _check(self.uniform_drop_limit > 0, "learner.uniform_drop_limit",
+               self.uniform_drop_limit, "must be > 0")
         _check(self.minibatches >= 1, "learner.minibatches", self.minibatches, "must be >= 1")
         _check(self.epochs >= 1, "learner.epochs", self.epochs, "must be >= 1")
         _check(self.groups_per_batch % self.minibatches == 0, "learner.minibatches",

@@ -14,8 +14,8 @@ renderer's; the learner trains on the action tokens only), the objective (`train
 the learner's own loss) and the greedy evaluation (`headrace.actor.evaluate.evaluate` on the 32
 secrets, the evaluator `headrace train` runs; its time is left out of the loop's clock). What
 differs: every update is on-policy (lag 0) and the rollout is batched on the device. With
-`learner.drop_uniform_groups` each step rolls out batches until `groups_per_batch` groups with
-unequal rewards have come and trains on those (`DynamicSampling`; `rollouts_per_step`).
+`learner.drop_uniform_groups` each step rolls out batches until `groups_per_batch` groups the
+learner would keep have come and trains on those (`DynamicSampling`; `rollouts_per_step`).
 
 Reported per seed: `time_to_target_s` (seconds of the loop, compiles included, evaluations left
 out, to the first greedy evaluation at `run.eval_target`), the curve (`eval_curve`: updates,
@@ -179,16 +179,21 @@ class Bare:
 
 class DynamicSampling:
     """`learner.drop_uniform_groups` in the bare loop, as DAPO does it: roll out batches until
-    `groups_per_batch` groups with unequal rewards have come, then train on the first that many
-    (the rest are discarded: every update stays on-policy). Rollouts and the update are separate
-    programs; the groups are chosen on the host (`advantages.uniform`, the learner's test)."""
+    `groups_per_batch` groups have come that the learner's policy keeps (`gate.UniformDrops`:
+    those whose rewards differ, and past the step's drop limit any), then train on the first that
+    many (the rest are discarded: every update stays on-policy). Rollouts and the update are
+    separate programs; the groups are chosen on the host."""
 
     def __init__(self, bare: Bare):
         import jax
 
+        from headrace.learner.gate import UniformDrops
+
         self.bare = bare
         self.rollout = jax.jit(bare.rollout)
         self.update = jax.jit(bare.update)
+        self.drops = UniformDrops.from_config(bare.config.learner,
+                                              bare.config.learner.groups_per_batch)
         self.rollouts = 0  # rollouts run, over every step
 
     def compile(self, params, opt_state, key) -> None:
@@ -198,23 +203,22 @@ class DynamicSampling:
         jax.block_until_ready(self.update(params, opt_state, *data[:4]))
 
     def gather(self, params, key):
-        """(tokens, on, behaviour, reward, success) of the step's `groups_per_batch` groups with
-        unequal rewards, rolled out with `params` (as many rollouts as that takes)."""
+        """(tokens, on, behaviour, reward, success) of the step's `groups_per_batch` groups,
+        rolled out with `params` (as many rollouts as that takes)."""
         import jax
         import numpy as np
-
-        from headrace.learner.advantages import uniform
 
         g = self.bare.config.actor.group_size
         need = self.bare.config.learner.groups_per_batch
         kept: list[tuple[np.ndarray, ...]] = []
+        self.drops.next_step()
         while sum(len(part[0]) for part in kept) < need * g:
             key, sub = jax.random.split(key)
             # Deliberate device->host sync: which groups to keep is decided on the host.
             tokens, on, behaviour, reward, success, _ = jax.device_get(self.rollout(params, sub))
             self.rollouts += 1
             rows = [np.arange(i, i + g) for i in range(0, len(reward), g)
-                    if not uniform(reward[i:i + g], np.ones(g, bool))]
+                    if not self.drops.drop(reward[i:i + g], np.ones(g, bool))]
             rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
             kept.append((tokens[rows], on[rows], behaviour[rows], reward[rows], success[rows]))
         return tuple(np.concatenate(field)[:need * g] for field in zip(*kept))

@@ -11,9 +11,9 @@ What the feed admits (docs/design.md, "Invariants"): an entry its checkpoint cov
 (`buffer/redelivered_skipped`); a group whose token ids reach past the model's vocabulary is
 quarantined through the buffer (an embedding lookup out of range would turn the weights into
 NaN); a group the gate refuses is dropped (counted by reason), and so, with
-`learner.drop_uniform_groups`, is one whose rewards are all equal (`gate.uninformative`). Skips
-and drops are recorded in the book (`headrace.learner.book`), which acknowledges them with the
-next checkpoint.
+`learner.drop_uniform_groups`, is one whose rewards are all equal, up to a limit per batch
+(`gate.UniformDrops`). Skips and drops are recorded in the book (`headrace.learner.book`), which
+acknowledges them with the next checkpoint.
 
 The feed decides nothing about checkpoints: when every pending entry the buffer allows is handled
 but unacknowledged, `next` returns `STARVED` and the loop relieves it.
@@ -41,7 +41,7 @@ from headrace.buffer.serialize import MalformedEntry, check_tokens
 from headrace.config import Config
 from headrace.learner.batching import Batcher
 from headrace.learner.book import Book
-from headrace.learner.gate import StalenessGate, uninformative
+from headrace.learner.gate import StalenessGate, UniformDrops
 from headrace.metrics.core import Metrics
 from headrace.metrics.traces import Tracer
 from headrace.types import Entry
@@ -77,7 +77,7 @@ class Feed:
         self.stop = stop
         self.vocab_size = vocab_size
         self.need = lc.groups_per_batch // processes
-        self.drop_uniform = lc.drop_uniform_groups
+        self.uniform = UniformDrops.from_config(lc, self.need, metrics)  # None: none dropped
         self._build_ahead = processes == 1
         self._reports_waiting = processes > 1
         self.report = report
@@ -208,6 +208,8 @@ class Feed:
                 continue
             if self._admit(entry, version):
                 entries.append(entry)
+        if self.uniform is not None:  # the next batch has its own limit
+            self.uniform.next_step()
         return self._waited(entries)
 
     def _wait(self, lacking: int) -> None:
@@ -238,8 +240,8 @@ class Feed:
             self.book.release(entry.id)
             return False
         reason = self.gate.check(entry.group, version)
-        if reason is None and self.drop_uniform:
-            reason = uninformative(entry.group, self.metrics)
+        if reason is None and self.uniform is not None:
+            reason = self.uniform.group(entry.group)
         if reason is not None:
             self.book.handled("dropped", [entry], reason)
             self._unreported += 1

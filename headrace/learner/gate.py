@@ -7,6 +7,7 @@ version when the group was read: a group that waited in the learner's queue ages
 
 from __future__ import annotations
 
+import math
 import time
 
 from headrace.config import StalenessConfig
@@ -42,12 +43,49 @@ class StalenessGate:
         return None
 
 
-def uninformative(group: Group, metrics: Metrics) -> str | None:
-    """DROP_UNIFORM (counted) if the group's rewards teach nothing (`advantages.uniform`: its
-    valid members, those not ended by an error, all got the same reward), else None."""
-    trajectories = group.trajectories
-    if not uniform([t.reward for t in trajectories],
-                   [t.status != STATUS_ERROR for t in trajectories]):
-        return None
-    metrics.count(DROP_COUNTERS[DROP_UNIFORM])
-    return DROP_UNIFORM
+class UniformDrops:
+    """`learner.drop_uniform_groups`: which groups whose rewards teach nothing a learner step
+    drops (`advantages.uniform`: its valid members, those not ended by an error, all got the same
+    reward). Each one, until the step has dropped `limit` (`uniform_drop_limit` batches' worth);
+    past that it trains those that come, so when a settled policy makes nearly every group alike,
+    a step costs the actors at most 1 + `uniform_drop_limit` batches of episodes (DAPO's cap on
+    generation rounds) and the learner never waits for ever. The learner's feed and the bare
+    loop (`headrace bench bare`) both decide with it."""
+
+    def __init__(self, limit: int, metrics: Metrics | None = None):
+        self.limit = limit
+        self.metrics = metrics
+        self.dropped = 0  # this step's
+
+    @classmethod
+    def from_config(cls, learner, need: int, metrics: Metrics | None = None):
+        """The policy for steps of `need` groups, or None when `drop_uniform_groups` is off."""
+        if not learner.drop_uniform_groups:
+            return None
+        return cls(math.ceil(learner.uniform_drop_limit * need), metrics)
+
+    def drop(self, rewards, valid) -> bool:
+        """Whether this step drops the group of `rewards` (`valid`: its members in the baseline);
+        counted: `learner/dropped_uniform`, or `learner/uniform_kept` past the limit."""
+        if not uniform(rewards, valid):
+            return False
+        if self.dropped < self.limit:
+            self.dropped += 1
+            self._count(DROP_COUNTERS[DROP_UNIFORM])
+            return True
+        self._count("learner/uniform_kept")
+        return False
+
+    def group(self, group: Group) -> str | None:
+        """`drop` for a buffer group: DROP_UNIFORM, or None when it is trained."""
+        trajectories = group.trajectories
+        dropped = self.drop([t.reward for t in trajectories],
+                            [t.status != STATUS_ERROR for t in trajectories])
+        return DROP_UNIFORM if dropped else None
+
+    def next_step(self) -> None:
+        self.dropped = 0
+
+    def _count(self, name: str) -> None:
+        if self.metrics is not None:
+            self.metrics.count(name)

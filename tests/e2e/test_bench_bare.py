@@ -112,6 +112,13 @@ def test_dynamic_sampling_trains_on_groups_whose_rewards_differ():
     assert not any(uniform(r, np.ones(g, bool)) for r in reward.reshape(-1, g))
     assert dynamic.rollouts >= 2  # one rollout of 32 groups hardly ever has 32 that differ
     assert (success == (reward > 0)).all() and on.any(axis=1).all()
+    # past the step's limit (here 2 groups) those with equal rewards are trained too
+    config = load(ROOT / "examples" / "guess_number.yaml", [
+        "learner.drop_uniform_groups=true", "learner.uniform_drop_limit=0.04"])
+    dynamic = _bench().DynamicSampling(_bench().Bare(config))
+    reward = dynamic.gather(bare.params, jax.random.key(1))[3]
+    assert dynamic.drops.dropped == 2 and dynamic.rollouts == 2
+    assert any(uniform(r, np.ones(g, bool)) for r in reward.reshape(-1, g))
 
 
 @pytest.mark.timeout(600)

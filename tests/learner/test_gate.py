@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from headrace.config import StalenessConfig
+from headrace.config import StalenessConfig, load
 from headrace.learner.advantages import group_advantages, uniform
 from headrace.learner.gate import (
     DROP_AGE,
@@ -16,7 +16,7 @@ from headrace.learner.gate import (
     DROP_LAG,
     DROP_UNIFORM,
     StalenessGate,
-    uninformative,
+    UniformDrops,
 )
 from headrace.metrics.core import Metrics
 from headrace.types import Group, Trajectory
@@ -77,24 +77,31 @@ def test_a_group_is_uniform_when_its_valid_members_rewards_are_equal():
             np.testing.assert_allclose(adv, 0.0, atol=1e-8)
 
 
-def test_uninformative_groups_are_dropped_and_counted():
+def test_uniform_groups_are_dropped_up_to_the_steps_limit():
     metrics = Metrics()
-    now = time.time()
-    base = group([0, 0, 0], now)
-    assert uninformative(with_rewards(base, [0.0, 1.0, 0.0]), metrics) is None
-    assert uninformative(with_rewards(base, [-0.05] * 3), metrics) == DROP_UNIFORM
-    assert uninformative(with_rewards(base, [1.0, 0.0, 1.0], ["ok", "error", "ok"]),
-                         metrics) == DROP_UNIFORM
-    assert metrics.snapshot()[DROP_COUNTERS[DROP_UNIFORM]] == 2
+    drops = UniformDrops(limit=2, metrics=metrics)
+    base = group([0, 0, 0], time.time())
+    assert drops.group(with_rewards(base, [0.0, 1.0, 0.0])) is None
+    assert drops.group(with_rewards(base, [-0.05] * 3)) == DROP_UNIFORM
+    assert drops.group(with_rewards(base, [1.0, 0.0, 1.0], ["ok", "error", "ok"])) == DROP_UNIFORM
+    assert drops.group(with_rewards(base, [0.5] * 3)) is None  # past the limit: trained
+    drops.next_step()
+    assert drops.group(with_rewards(base, [0.5] * 3)) == DROP_UNIFORM  # a new step's limit
+    assert metrics.counters[DROP_COUNTERS[DROP_UNIFORM]] == 3
+    assert metrics.counters["learner/uniform_kept"] == 1
+    config = load("examples/guess_number.yaml", ["learner.drop_uniform_groups=true",
+                                                 "learner.uniform_drop_limit=0.3"])
+    assert UniformDrops.from_config(config.learner, need=32).limit == 10  # ceil(9.6)
+    assert UniformDrops.from_config(load("examples/guess_number.yaml").learner, 32) is None
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("drop", [True, False])
-def test_the_feed_fills_batches_with_informative_groups(model, drop):  # noqa: F811
-    """With `learner.drop_uniform_groups` a batch takes only groups whose rewards differ; the
-    others are dropped (counted, recorded as handled, so admission hears of them)."""
+@pytest.mark.parametrize(("drop", "limit"), [(True, 1.0), (True, 0.5), (False, 1.0)])
+def test_the_feed_fills_batches_with_informative_groups(model, drop, limit):  # noqa: F811
+    """With `learner.drop_uniform_groups` a batch takes groups whose rewards differ and drops
+    the others (counted, recorded as handled, so admission hears of them), up to its limit; past
+    it a batch takes what comes; the next batch has a limit of its own."""
     from headrace.buffer.memory import MemoryBuffer
-    from headrace.config import load
     from headrace.learner.book import Book
     from headrace.learner.feed import Feed
     from headrace.metrics.traces import Tracer
@@ -102,25 +109,29 @@ def test_the_feed_fills_batches_with_informative_groups(model, drop):  # noqa: F
 
     config = load("examples/guess_number.yaml", [
         "learner.groups_per_batch=4", "buffer.max_pending=64",
-        f"learner.drop_uniform_groups={str(drop).lower()}"])
+        f"learner.drop_uniform_groups={str(drop).lower()}", f"learner.uniform_drop_limit={limit}"])
     buffer, metrics, stop = MemoryBuffer(capacity=100, max_pending=64), Metrics(), threading.Event()
     book = Book(config, buffer, metrics)
     feed = Feed(config, buffer, None, StalenessGate(config.staleness, metrics), book, metrics,
                 Tracer(None, MemoryWeightStore(2), metrics), stop, model[0].dims.vocab_size)
-    groups = [make_group(i, actions(model)) for i in range(8)]
+    groups = [make_group(i, actions(model)) for i in range(16)]  # odd ones: equal rewards
     groups = [with_rewards(g, [0.0, 0.0]) if i % 2 else g for i, g in enumerate(groups)]
     buffer.put(groups, timeout_s=1)
     feed.start()
     try:
-        entries, _ = feed.next(0)
+        batches = [[e.group.group_id for e in feed.next(0)[0]] for _ in range(2)]
     finally:
         stop.set()
         feed.close()
-    taken = [e.group.group_id for e in entries]
-    if drop:
-        assert taken == [g.group_id for g in groups[0::2]]
-        assert metrics.counters[DROP_COUNTERS[DROP_UNIFORM]] == 3  # the 4th is still queued
-        assert len(book.unacked) == 3  # handled: acknowledged with the next checkpoint
-    else:
-        assert taken == [g.group_id for g in groups[:4]]
-        assert DROP_COUNTERS[DROP_UNIFORM] not in metrics.counters
+    ids = [g.group_id for g in groups]
+    counters = metrics.counters
+    if not drop:
+        assert batches == [ids[:4], ids[4:8]]
+        assert DROP_COUNTERS[DROP_UNIFORM] not in counters and "learner/uniform_kept" not in counters
+    elif limit == 1.0:  # 4 a batch: never reached here
+        assert batches == [ids[0:8:2], ids[8:16:2]]
+        assert counters[DROP_COUNTERS[DROP_UNIFORM]] == 7  # the last one still queued
+        assert len(book.unacked) == 7  # handled: acknowledged with the next checkpoint
+    else:  # 2 a batch: the third group with equal rewards is trained
+        assert batches == [[ids[0], ids[2], ids[4], ids[5]], [ids[6], ids[8], ids[10], ids[11]]]
+        assert counters[DROP_COUNTERS[DROP_UNIFORM]] == 4 and counters["learner/uniform_kept"] == 2
