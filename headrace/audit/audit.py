@@ -34,6 +34,7 @@ from collections.abc import Callable
 import numpy as np
 
 from headrace import placement
+from headrace.audit.hint import uniform_drop_factor
 from headrace.config import Config, ConfigError, load
 from headrace.metrics import traces as traces_lib
 from headrace.metrics.records import read_records
@@ -83,6 +84,7 @@ class Measured:
     rows_per_call: float = 0.0  # rows (turns) a policy call served, mean (0: not measured)
     probed: int = 0  # of `calls`, those the sampler probe timed (`with_probe`)
     call_cpu_s: float = 0.0  # turn-side CPU per policy call (event loop), from the probe
+    uniform_drop_factor: float = 1.0  # groups the learner took per group trained (`hint`)
 
     @property
     def group_size(self) -> int:
@@ -102,9 +104,16 @@ class Measured:
         return [s * self.learner_cpu_s / mean for s in self.step_s]
 
     @property
+    def groups_per_step(self) -> float:
+        """Groups the learner takes from the buffer per step: a batch, and with
+        `learner.drop_uniform_groups` the share it drops for equal rewards on top (the actors
+        must make those too; drops for lag are the pool's excess, not its need)."""
+        return self.config.learner.groups_per_batch * self.uniform_drop_factor
+
+    @property
     def consume_capacity(self) -> float:
-        """Groups per second the learner trains when never kept waiting."""
-        return self.config.learner.groups_per_batch / float(np.mean(self.busy_step_s))
+        """Groups per second the learner takes when never kept waiting."""
+        return self.groups_per_step / float(np.mean(self.busy_step_s))
 
     @property
     def group_latency_s(self) -> float:
@@ -182,6 +191,7 @@ def read_run(run_dir: str | pathlib.Path) -> Measured:
                      if window > 0 else 0.0),
         episode_tokens=float(last.get("episode/length_mean", 0.0)),
         rows_per_call=float(np.median(rows)) if rows else 0.0,
+        uniform_drop_factor=uniform_drop_factor(last),
         learner_cpu_s=(last["learner/cpu_frac"] / last["learner/steps_per_s"]  # its own process
                        if config.run.launcher == "processes" and last.get("learner/cpu_frac")
                        and last.get("learner/steps_per_s") else 0.0))
@@ -239,7 +249,7 @@ def sim_spec(m: Measured, actors: int, envs_per_actor: int, duration_s: float,
             pickup_s=Dist(kind="empirical", samples=tuple(m.spans.get("pickup", [0.0])))),
         buffer=BufferSpec(capacity=capacity, put_s=fixed(m.put_s)),
         learner=LearnerSpec(step_s=Dist(kind="empirical", samples=tuple(m.busy_step_s)),
-                            groups_per_batch=c.learner.groups_per_batch,
+                            groups_per_batch=max(1, round(m.groups_per_step)),
                             publish_every=c.learner.publish_every, publish_s=fixed(m.publish_s),
                             prefetch=2),  # the reader queues 2 batches of groups ahead
         staleness=StalenessSpec(

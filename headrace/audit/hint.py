@@ -16,6 +16,14 @@ TARGET = 0.95
 HEADROOM = 1.2
 
 
+def uniform_drop_factor(snapshot: dict[str, float]) -> float:
+    """Groups the learner takes per group it trains: 1, or more where it drops groups with
+    equal rewards (`learner.drop_uniform_groups`), which the actors must make too."""
+    dropped = snapshot.get("learner/dropped_uniform", 0.0)
+    trained = snapshot.get("learner/groups", 0.0)
+    return (trained + dropped) / trained if trained > 0 else 1.0
+
+
 def sizing_hint(snapshot: dict[str, float], config: Config) -> str:
     """One line for the live view, or "" when the learner is fed (or too little is measured)."""
     util = snapshot.get("learner/utilization")
@@ -25,7 +33,7 @@ def sizing_hint(snapshot: dict[str, float], config: Config) -> str:
             or snapshot.get("learner/step", 0) < 5:
         return ""
     actor = config.actor
-    consume = config.learner.groups_per_batch / step_s
+    consume = config.learner.groups_per_batch / step_s * uniform_drop_factor(snapshot)
     needed = math.ceil(consume * group_s * HEADROOM) * actor.group_size
     have = actor.num_actors * actor.envs_per_actor
     if needed <= have:

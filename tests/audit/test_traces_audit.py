@@ -232,3 +232,17 @@ def test_sizing_hint_speaks_only_when_the_learner_waits(tmp_path):
     hint = sizing_hint(starved, config)
     # 2 groups / 0.2 s x 5 s x 1.2 = 60 groups of 8 = 480 envs against 32.
     assert "480 envs" in hint and "448 more" in hint
+    # a learner that drops a third of what it takes for equal rewards takes 1.5 groups a group
+    dropping = {**starved, "learner/groups": 200.0, "learner/dropped_uniform": 100.0}
+    assert "720 envs" in sizing_hint(dropping, config)
+
+
+def test_the_audit_sizes_for_the_groups_a_learner_drops_for_equal_rewards(traced_run):
+    """With `learner.drop_uniform_groups` the actors make the dropped groups too: the learner's
+    consumption, and the simulated learner's groups a step, count them."""
+    m = audit.read_run(traced_run)
+    assert m.uniform_drop_factor == 1.0
+    dropping = dataclasses.replace(m, uniform_drop_factor=1.5)
+    assert dropping.consume_capacity == pytest.approx(1.5 * m.consume_capacity)
+    spec = audit.sim_spec(dropping, actors=1, envs_per_actor=16, duration_s=10.0)
+    assert spec.learner.groups_per_batch == round(1.5 * m.config.learner.groups_per_batch)

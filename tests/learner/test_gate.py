@@ -92,7 +92,8 @@ def test_uniform_groups_are_dropped_up_to_the_steps_limit():
     config = load("examples/guess_number.yaml", ["learner.drop_uniform_groups=true",
                                                  "learner.uniform_drop_limit=0.3"])
     assert UniformDrops.from_config(config.learner, need=32).limit == 10  # ceil(9.6)
-    assert UniformDrops.from_config(load("examples/guess_number.yaml").learner, 32) is None
+    off = load("examples/guess_number.yaml", ["learner.drop_uniform_groups=false"])
+    assert UniformDrops.from_config(off.learner, 32) is None
 
 
 @pytest.mark.timeout(60)

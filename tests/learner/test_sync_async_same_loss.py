@@ -51,6 +51,7 @@ def make_config(tmp_path, mode: str):
         "actor.group_size=4", "actor.envs_per_actor=16", "actor.max_batch=16",
         f"buffer.capacity={STEPS * GROUPS_PER_BATCH}", "buffer.max_pending=256",
         "staleness.max_policy_lag=0", f"weights.keep={STEPS + 2}",
+        "learner.drop_uniform_groups=false",  # every group written is trained, in order
     ])
 
 
