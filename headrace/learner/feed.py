@@ -191,7 +191,8 @@ class Feed:
         stopping, `STARVED` when starved. Not blocking: takes only what is queued already; None
         (keeping what passed for the next call) when that is not enough."""
         carried, self._carry = self._carry, []
-        entries = [e for e in carried if self._admit(e, version)]  # gated again: a later version
+        # gated again (a later version); what their rewards say was decided when they came
+        entries = [e for e in carried if self._admit(e, version, carried=True)]
         while len(entries) < self.need:
             try:
                 entry = self._queue.get(timeout=0.05) if block else self._queue.get_nowait()
@@ -226,7 +227,7 @@ class Feed:
             self._wait(0)
         return got
 
-    def _admit(self, entry: Entry, version: int) -> bool:
+    def _admit(self, entry: Entry, version: int, carried: bool = False) -> bool:
         """Whether `entry` goes into a batch trained at `version`; a skip or drop is recorded."""
         if entry.id in self.book.trained_ids:  # redelivered; a checkpoint already covers it
             self.metrics.count("buffer/redelivered_skipped")
@@ -240,7 +241,7 @@ class Feed:
             self.book.release(entry.id)
             return False
         reason = self.gate.check(entry.group, version)
-        if reason is None and self.uniform is not None:
+        if reason is None and self.uniform is not None and not carried:
             reason = self.uniform.group(entry.group)
         if reason is not None:
             self.book.handled("dropped", [entry], reason)

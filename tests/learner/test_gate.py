@@ -136,3 +136,42 @@ def test_the_feed_fills_batches_with_informative_groups(model, drop, limit):  # 
     else:  # 2 a batch: the third group with equal rewards is trained
         assert batches == [[ids[0], ids[2], ids[4], ids[5]], [ids[6], ids[8], ids[10], ids[11]]]
         assert counters[DROP_COUNTERS[DROP_UNIFORM]] == 4 and counters["learner/uniform_kept"] == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_carried_group_is_not_judged_twice(model):  # noqa: F811
+    """A batch gathered ahead that came up short carries what passed; used later, those groups
+    are gated again for lag but keep the decision their rewards got (kept once, counted once)."""
+    from headrace.buffer.memory import MemoryBuffer
+    from headrace.learner.book import Book
+    from headrace.learner.feed import Feed
+    from headrace.metrics.traces import Tracer
+    from headrace.weights.memory import MemoryWeightStore
+
+    config = load("examples/guess_number.yaml", [
+        "learner.groups_per_batch=4", "buffer.max_pending=64",
+        "learner.drop_uniform_groups=true", "learner.uniform_drop_limit=0.25"])  # 1 a batch
+    buffer, metrics, stop = MemoryBuffer(capacity=100, max_pending=64), Metrics(), threading.Event()
+    feed = Feed(config, buffer, None, StalenessGate(config.staleness, metrics),
+                Book(config, buffer, metrics), metrics, Tracer(None, MemoryWeightStore(2), metrics),
+                stop, model[0].dims.vocab_size)
+    groups = [make_group(i, actions(model)) for i in range(5)]
+    groups[:2] = [with_rewards(g, [0.0, 0.0]) for g in groups[:2]]  # the first two alike
+    buffer.put(groups[:2], timeout_s=1)
+    feed.start()
+    try:
+        deadline = time.monotonic() + 30
+        while feed._queue.qsize() < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        feed.look_ahead(0)  # 1 dropped, 1 kept past the limit and carried: too few for a batch
+        counts = dict(metrics.counters)
+        buffer.put(groups[2:], timeout_s=1)
+        entries, _ = feed.next(0)
+    finally:
+        stop.set()
+        feed.close()
+    assert [e.group.group_id for e in entries] == [g.group_id for g in groups[1:]]
+    assert counts[DROP_COUNTERS[DROP_UNIFORM]] == 1 and counts["learner/uniform_kept"] == 1
+    assert metrics.counters[DROP_COUNTERS[DROP_UNIFORM]] == 1
+    assert metrics.counters["learner/uniform_kept"] == 1
