@@ -240,7 +240,6 @@ def train(config, seed: int, max_wall_s: float, eval_every: int, max_steps: int)
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, seed=seed))
     bare = Bare(config)
     dynamic = DynamicSampling(bare) if config.learner.drop_uniform_groups else None
-    step_fn = jax.jit(bare.iteration)
     params, opt_state = bare.params, bare.optimizer.init(bare.params)
     sampler = build.make_sampler(config, bare.task, bare.graphdef, seed=seed + 7)
     probe = bare.task.make_env()
@@ -251,7 +250,7 @@ def train(config, seed: int, max_wall_s: float, eval_every: int, max_steps: int)
     curve, loop_s, cpu_s, step, ttt = [], 0.0, 0.0, 0, None
     compile_start = time.perf_counter()
     if dynamic is None:
-        compiled = step_fn.lower(params, opt_state, key).compile()
+        compiled = jax.jit(bare.iteration).lower(params, opt_state, key).compile()
     else:
         dynamic.compile(params, opt_state, key)
         compiled = dynamic

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 
-from headrace.config import StalenessConfig
+from headrace.config import LearnerConfig, StalenessConfig
 from headrace.learner.advantages import uniform
 from headrace.metrics.core import MAX, Metrics, declare
 from headrace.types import STATUS_ERROR, Group
@@ -58,7 +58,8 @@ class UniformDrops:
         self.dropped = 0  # this step's
 
     @classmethod
-    def from_config(cls, learner, need: int, metrics: Metrics | None = None):
+    def from_config(cls, learner: LearnerConfig, need: int,
+                    metrics: Metrics | None = None) -> UniformDrops | None:
         """The policy for steps of `need` groups, or None when `drop_uniform_groups` is off."""
         if not learner.drop_uniform_groups:
             return None
