@@ -142,7 +142,7 @@ class Actor:
                                        self.config.staleness.forced_lag, loader=self.loader,
                                        on_install=on_install)
         try:
-            if not await sync.wait_first(self.stop):  # version 0 is published before actors start
+            if not await sync.wait_first(self.stop):  # acts from version 0, once published
                 return
             await self._act(sync)
         finally:

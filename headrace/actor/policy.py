@@ -105,7 +105,7 @@ class WeightSync:
             if checking is not None:
                 await asyncio.wrap_future(checking)  # a failed check raises in refresh, next
             if self.sampler.version < 0:
-                await asyncio.sleep(poll_s)  # version 0 is published before actors start
+                await asyncio.sleep(poll_s)  # actors start beside the learner
         return True
 
     def _check(self) -> bool:

@@ -338,14 +338,16 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
                                         lambda: snapshot().get("actor/episodes", 0),
                                         build.make_pins(config, run_dir))
         supervisor.start_learner()
-        while weights.latest_version() < 0:  # actors start from a published version 0
+        # Beside the learner, not after it: an actor's start (its imports, engine, compiles)
+        # overlaps the learner's, and it acts from version 0 once published (`wait_first`).
+        supervisor.start_actors()
+        while weights.latest_version() < 0:
             gone = supervisor.learner_gone()
             if gone is not None:
                 raise LaunchError(f"the learner exited before publishing version 0: "
                                   f"{gone}; see the log above")
             revive()
             time.sleep(0.1)
-        supervisor.start_actors()
         if standalone:
             from headrace.runtime import standalone as standalone_lib
 

@@ -1,7 +1,7 @@
 """The weight store contract: versioned policy parameters from the learner to the actors.
 
 Parameters travel as a flat mapping from a dotted parameter path (e.g. `layers.0.attn.q.kernel`) to
-a NumPy array. Version 0 is published before any actor starts; the store keeps the last `keep`
+a NumPy array. Version 0 is published before any actor acts; the store keeps the last `keep`
 versions and `load` of a pruned version raises `VersionGone`.
 
 Pickups close the loop for tracing: an actor that starts sampling with a version notes it
