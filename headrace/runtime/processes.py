@@ -341,12 +341,15 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
         # Beside the learner, not after it: an actor's start (its imports, engine, compiles)
         # overlaps the learner's, and it acts from version 0 once published (`wait_first`).
         supervisor.start_actors()
-        while weights.latest_version() < 0:
+        while weights.latest_version() < 0 and supervisor.failure is None:
             gone = supervisor.learner_gone()
             if gone is not None:
                 raise LaunchError(f"the learner exited before publishing version 0: "
                                   f"{gone}; see the log above")
             revive()
+            # An actor that crashes while it waits is restarted, or after actor.max_restarts
+            # ends the run (`watch` sees the failure at once), not only once version 0 is out.
+            supervisor.check()
             time.sleep(0.1)
         if standalone:
             from headrace.runtime import standalone as standalone_lib

@@ -49,3 +49,48 @@ def test_actors_start_beside_the_learner_before_version_0(tmp_path):
         processes.train(config, live=False, make_supervisor=Starts)
     assert events[:2] == ["learner", ("actors", -1)], events
     assert events[2:] and set(events[2:]) == {"stopped"}  # and the run stops what it started
+
+
+@pytest.mark.timeout(120)
+def test_an_actor_failing_before_version_0_ends_the_run_with_its_error(tmp_path):
+    """Actors that start before version 0 may crash before it too: the wait for it runs the
+    supervisor's check (restarts, and the failure after actor.max_restarts), and a failure ends
+    the run as one after version 0 does, with a summary (before, the wait went on until the
+    learner published, however long its start)."""
+    try:
+        find_redis_server()
+    except RedisServerError as error:
+        pytest.skip(str(error))
+    config = load("examples/guess_number.yaml", [f"run.dir={tmp_path / 'run'}"])
+    error = "actor-0 exited with code 1: RuntimeError: broken (crashed 6 times in a row)"
+
+    class FailingActor:
+        """A learner that never publishes and an actor that fails at the third check."""
+
+        def __init__(self, config, run_dir, url, run_id):
+            self.failure, self.restarts, self.grace_s, self.stopping = None, 0, 1.0, False
+            self.checks = 0
+
+        def start_learner(self) -> None:
+            pass
+
+        def start_actors(self) -> None:
+            pass
+
+        def learner_gone(self) -> None:
+            return None
+
+        def check(self) -> None:
+            self.checks += 1
+            if self.checks == 3:
+                self.failure = error
+
+        def finished(self) -> bool:
+            return False
+
+        def stop(self) -> None:
+            self.stopping = True
+
+    summary = processes.train(config, live=False, make_supervisor=FailingActor)
+    assert summary["stopped_by"] == "error" and summary["errors"] == [error], summary
+    assert summary["steps"] == 0
