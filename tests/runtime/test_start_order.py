@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from headrace.buffer.server import RedisServerError, find_redis_server
 from headrace.config import load
 from headrace.runtime import build, processes
+from tests.conftest import _require_redis
 
 
 class _Started(Exception):
@@ -18,10 +18,7 @@ class _Started(Exception):
 
 @pytest.mark.timeout(120)
 def test_actors_start_beside_the_learner_before_version_0(tmp_path):
-    try:
-        find_redis_server()
-    except RedisServerError as error:
-        pytest.skip(str(error))
+    _require_redis()
     config = load("examples/guess_number.yaml", [f"run.dir={tmp_path / 'run'}"])
     events: list = []
 
@@ -57,10 +54,7 @@ def test_an_actor_failing_before_version_0_ends_the_run_with_its_error(tmp_path)
     supervisor's check (restarts, and the failure after actor.max_restarts), and a failure ends
     the run as one after version 0 does, with a summary (before, the wait went on until the
     learner published, however long its start)."""
-    try:
-        find_redis_server()
-    except RedisServerError as error:
-        pytest.skip(str(error))
+    _require_redis()
     config = load("examples/guess_number.yaml", [f"run.dir={tmp_path / 'run'}"])
     error = "actor-0 exited with code 1: RuntimeError: broken (crashed 6 times in a row)"
 
