@@ -346,10 +346,9 @@ def train(config: Config, *, live: bool = True, t0: float | None = None,
             if gone is not None:
                 raise LaunchError(f"the learner exited before publishing version 0: "
                                   f"{gone}; see the log above")
-            revive()
             # An actor that crashes while it waits is restarted, or after actor.max_restarts
             # ends the run (`watch` sees the failure at once), not only once version 0 is out.
-            supervisor.check()
+            tick()
             time.sleep(0.1)
         if standalone:
             from headrace.runtime import standalone as standalone_lib
