@@ -431,6 +431,11 @@ class Config:
                "run.mode sync publishes after every step: must be 1")
         _check(self.model.max_len >= self.shapes.buckets[-1], "model.max_len", self.model.max_len,
                f"must be >= the largest bucket {self.shapes.buckets[-1]}")
+        _check(not self.learner.precompile or bool(self.learner.token_budget
+                                                    or self.shapes.rows_per_bucket),
+               "learner.precompile", self.learner.precompile, "needs fixed rows, so that every "
+               "microbatch shape is known before the data: set learner.token_budget or "
+               "shapes.rows_per_bucket (or learner.precompile: false)")
         _check(not (self.model.lora.rank and self.parallel.sharded), "model.lora.rank",
                self.model.lora.rank, "LoRA trains on one learner device (the sharded learner "
                "has no adapter rules yet): set model.lora.rank: 0 or parallel.mesh to one device "

@@ -81,6 +81,9 @@ class LearnerConfig:
     minibatches: int = 1  # optimizer updates per pass over the step's groups
     epochs: int = 1  # passes over the step's groups (updates per trajectory; PPO's epochs)
     token_budget: int = 0  # tokens per microbatch at most (0: one microbatch per minibatch)
+    # compile the step for every microbatch shape before the first batch comes, while the actors
+    # start (fixed rows only: learner.token_budget or shapes.rows_per_bucket)
+    precompile: bool = False
     # float32 logits computed at most this many MiB at a time: a microbatch's tokens in chunks,
     # each recomputed in the backward pass (0: all at once)
     logits_mib: int = 256

@@ -229,6 +229,8 @@ class Learner:
         self.feed.start()
         finished = False
         try:
+            if self.config.learner.precompile:
+                self._precompile()
             self._loop()
             if self.feed.error is not None:  # a failure, not a stop: nothing more is acked
                 error = self.feed.error
@@ -253,6 +255,20 @@ class Learner:
                     self.tracer.close()
                     self.clock.close()
                     self.done.set()
+
+    def _precompile(self) -> None:
+        """`learner.precompile`: the program of every microbatch shape the batcher can make,
+        compiled while the feed gathers the first batch and the actors start, so no step
+        compiles. Several processes meet at a barrier after it (as after building their state):
+        each enters the loop, and its first collective, with its programs ready."""
+        start, shapes = time.perf_counter(), self.batcher.policy.shapes()
+        self._train_step.precompile(self.state, shapes)
+        if self.processes > 1:
+            multihost.barrier("headrace-learner-precompiled", multihost.COMPILE_BARRIER_S)
+        elapsed = time.perf_counter() - start
+        self.metrics.gauge("learner/precompile_s", elapsed)
+        log.info("learner: the train step compiled for %d shapes in %.1f s, before the first "
+                 "batch", len(shapes), elapsed)
 
     def _loop(self) -> None:
         """One learner step per batch the feed gives; the next batch is gathered (and, one

@@ -35,7 +35,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from headrace.config import Config, ConfigError, LearnerConfig
-from headrace.learner.batching import TRAIN_FIELDS, Batch
+from headrace.learner.batching import TRAIN_FIELDS
 from headrace.learner.sharded_forward import ShardedForward, ShardedLayout
 from headrace.learner.train_step import RATIO_MAX, Accum, TrainState, TrainStep, loss_terms
 from headrace.model import params as params_lib
@@ -66,7 +66,9 @@ class ShardedTrainStep(TrainStep):
       plan: {param path: rules.ParamPlan}; report: the `rules.ReplicationReport`;
       state_shardings: the TrainState's NamedShardings; batch_sharding: a microbatch array's.
 
-    Donates `state`. Not thread-safe: one step at a time.
+    Donates `state`. Not thread-safe: one step at a time. A call raises ValueError when a
+    microbatch's rows do not divide by data x fsdp (nothing is dispatched); its metrics are
+    replicated device scalars.
     """
 
     name = "sharded_train_step"
@@ -87,7 +89,6 @@ class ShardedTrainStep(TrainStep):
         self.plan: dict[str, rules_lib.ParamPlan] | None = None
         self.report: rules_lib.ReplicationReport | None = None
         self.state_shardings = None
-        self._returned: TrainState | None = None  # the state this step last handed out
 
     # --- placement -----------------------------------------------------------------------------
 
@@ -210,17 +211,6 @@ class ShardedTrainStep(TrainStep):
         arrays = {k: arrays[k] for k in TRAIN_FIELDS}
         flag = np.bool_(True)
         return self._step.lower((state, self._acc), arrays, flag, flag, np.float32(1)).as_text()
-
-    def __call__(self, state: TrainState, batch: Batch,
-                 sync: bool = False) -> tuple[TrainState, dict[str, Any]]:
-        """As `TrainStep.__call__`; metrics are replicated device scalars.
-
-        Raises:
-          ValueError: a microbatch's rows do not divide by data x fsdp (nothing was dispatched).
-        """
-        state, metrics = super().__call__(state, batch, sync)
-        self._returned = state
-        return state, metrics
 
 
 def _to_mesh(tree: Any, shardings: Any) -> Any:

@@ -48,7 +48,7 @@ intermediate. The same switch for the single-device and the sharded step.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import jax
@@ -58,7 +58,7 @@ import optax
 
 from headrace.config import LearnerConfig, OptimizerConfig
 from headrace.learner import losses
-from headrace.learner.batching import TRAIN_FIELDS, Batch
+from headrace.learner.batching import FIELDS, TRAIN_FIELDS, Batch
 from headrace.metrics.core import MAX, declare
 from headrace.model import logprobs
 from headrace.model import params as params_lib
@@ -331,6 +331,7 @@ class TrainStep:
         self.decoupled = config.loss.kind == "decoupled"
         self._step = None
         self._acc: Accum | None = None
+        self._returned: TrainState | None = None  # the state this step last handed out
 
     def freeze(self, base) -> None:
         """LoRA: `base` (the model's weights, compute dtype, on device) is the fixed model the
@@ -365,7 +366,13 @@ class TrainStep:
         return jax.jit(self._program(), donate_argnums=0)
 
     def _placed(self, state: TrainState) -> TrainState:
-        return state
+        """The state as the program takes it: every array committed to the device of the
+        params (which copies nothing). The state the program returns is committed; one that
+        mixes committed arrays (a checkpoint's weights) with uncommitted ones (fresh scalars)
+        lowers to another program, so the next call would compile the step a second time."""
+        if state is self._returned:
+            return state
+        return jax.device_put(state, _device_of(state.params))
 
     def _put(self, arrays: dict[str, Any]) -> dict[str, Any]:
         return arrays
@@ -399,10 +406,11 @@ class TrainStep:
                 if sync:
                     jax.block_until_ready(carry)  # deliberate sync (measurement only)
         state, self._acc = carry
+        self._returned = state
         return state, metrics
 
     def _placed_accum(self, acc: Accum) -> Accum:
-        return acc
+        return jax.device_put(acc, _device_of(acc.grads))  # committed, as `_placed` says
 
     def _prepare(self, state: TrainState) -> None:
         """The model's sizes, the accumulator and the program, on the first call."""
@@ -425,6 +433,20 @@ class TrainStep:
         flag = np.bool_(True)
         return self._step.lower((state, self._acc), arrays, flag, flag, np.float32(1),
                                 *self._extra()).compile()
+
+    def precompile(self, state: TrainState, shapes: Iterable[tuple[int, int]]) -> None:
+        """Compiles the microbatch program for each (rows, width) of `shapes` before any batch
+        (`learner.precompile`): a step whose microbatches have those shapes then compiles nothing
+        (JAX finds the program in its in-memory cache). Runs nothing; donates nothing."""
+        for rows, width in shapes:
+            self.compiled(state, {k: np.zeros((rows, width), FIELDS[k]) for k in TRAIN_FIELDS})
+
+
+def _device_of(tree) -> jax.Device:
+    """The device `tree`'s first array lives on (the default device for an uncommitted one, or
+    for host arrays)."""
+    leaf = jax.tree.leaves(tree)[0]
+    return next(iter(leaf.devices())) if isinstance(leaf, jax.Array) else jax.devices()[0]
 
 
 def make_train_step(graphdef, config: LearnerConfig, temperature: float,

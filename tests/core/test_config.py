@@ -37,6 +37,9 @@ def test_example_loads_with_overrides():
     ("staleness.forced_lag=9", "staleness.forced_lag=9: must be in [0, staleness.max_policy_lag=4]"),
     ("actor.cpu_threads=4", "actor.cpu_threads=4: must be 1: XLA gives an actor a thread per CPU it "
      "may use, so set the CPUs instead (run.actor_cpus)"),
+    ("learner.precompile=true", "learner.precompile=True: needs fixed rows, so that every "
+     "microbatch shape is known before the data: set learner.token_budget or "
+     "shapes.rows_per_bucket"),
 ])
 def test_bad_values_name_key_value_and_allowed(override, message):
     with pytest.raises(ConfigError) as error:
