@@ -1,5 +1,7 @@
 """Bounded recompilation: a learner fed 200 distinct trajectory lengths compiles at most one
-train-step program per (rows, bucket) shape of its policy.
+train-step program per (rows, bucket) shape of its policy; with `learner.precompile` it compiles
+every shape before its first step and none in a step; weights committed to the device (as a
+checkpoint's come) lower the step once per shape, not twice.
 
 Programs are counted twice: JAX traces (one per new input shape, whether or not the persistent
 compilation cache then supplies the executable) and backend compilations (`learner/compiles`).

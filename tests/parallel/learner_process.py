@@ -7,7 +7,8 @@ for each step, its share of that step's groups in its own buffer, exactly as eac
 of a job is one consumer of the buffer. Training runs to learner step STEPS (default 2). With
 CKPT_DIR the learner checkpoints every step there, and first restores the latest checkpoint in it,
 if any (a resumed job then gets only the groups of the steps after it). Process 0 writes the final
-parameters and the metrics of every step this job trained to OUT_DIR/result.npz.
+parameters and the metrics of every step this job trained to OUT_DIR/result.npz. With PRECOMPILE=1
+in the environment the learner runs `learner.precompile` (with a token budget: fixed rows).
 """
 
 from __future__ import annotations
@@ -47,8 +48,7 @@ def main(process_id: int, processes: int, port: int, out_dir: str, steps: int = 
                  f"run.max_steps={steps}", "run.checkpoint_every=1",
                  "staleness.max_policy_lag=100", f"parallel.processes={processes}",
                  "parallel.mesh={data: -1}" if processes > 1 else "parallel.mesh={data: 1}"]
-    precompile = os.environ.get("PRECOMPILE") == "1"
-    if precompile:  # every shape compiled before the first batch (fixed rows: a token budget)
+    if os.environ.get("PRECOMPILE") == "1":  # every shape compiled ahead (fixed rows: a budget)
         overrides += ["learner.precompile=true", "learner.token_budget=128"]
     config = load("examples/guess_number.yaml", overrides)
     task = build.build_task(config)
@@ -77,15 +77,7 @@ def main(process_id: int, processes: int, port: int, out_dir: str, steps: int = 
 
     learner._finish_step = record
     slow_s = float(os.environ.get("SLOW_FIRST_PROGRAM_S", 0))
-    if slow_s and process_id == 1 and precompile:  # its programs come 40 s after process 0's
-        precompile_all = learner._train_step.precompile
-
-        def slow_precompile(*args):
-            time.sleep(slow_s)
-            return precompile_all(*args)
-
-        learner._train_step.precompile = slow_precompile
-    elif slow_s and process_id == 1:  # a compile slower than Gloo's 30 s, here alone
+    if slow_s and process_id == 1:  # a compile slower than Gloo's 30 s, here alone
         train_step, compile_program = learner._train_step, learner._train_step._compile
 
         def slow_compile(carry):
