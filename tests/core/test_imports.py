@@ -21,10 +21,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # do not exist yet are placed so that they land in the right layer when they come.
 LAYERS: tuple[tuple[str, ...], ...] = (
     # axes: mesh axis names that `model` may import; versions: the trained-at forecast;
-    # rundir: a run folder's file names
-    ("types", "configtree", "config_learner", "config", "shapes", "axes", "versions", "rundir",
-     "xla_flags", "placement"),  # xla_flags: set before JAX starts, by the command line and Ray
-    # workers; placement: the CPUs the processes launcher pins its children to
+    # rundir: a run folder's file names; xla_flags: set before JAX starts, by the command line
+    # and Ray workers; placement: the CPUs the processes launcher pins its children to
+    ("types", "configtree", "config_learner", "config_model", "config", "shapes", "axes",
+     "versions", "rundir", "xla_flags", "placement"),
     ("formats",),  # checkpoint files (HF folders, GGUF) read as dicts and arrays
     ("text", "env", "model", "parallel", "metrics", "sim"),
     ("buffer", "weights", "engines"),  # engines: inference servers the actor samples from
@@ -35,8 +35,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli", "examples"),  # examples: configs and agents to copy (users' code)
 )
 NEVER = {("actor", "learner"), ("learner", "actor")}
-NO_JAX = ("types", "configtree", "config_learner", "config", "shapes", "axes", "versions", "rundir",
-          "xla_flags", "placement", "formats", "text", "env", "sim", "engines")
+NO_JAX = ("types", "configtree", "config_learner", "config_model", "config", "shapes", "axes",
+          "versions", "rundir", "xla_flags", "placement", "formats", "text", "env", "sim", "engines")
 JAX_ROOTS = ("jax", "jaxlib", "flax", "optax", "orbax")
 
 
